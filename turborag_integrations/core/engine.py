@@ -95,8 +95,18 @@ class TurboRAGEngine:
         """Encode and store the blobs of `texts` (skipping those already stored); return keys."""
         ids = [self.encoder.tokenize(t) for t in texts]
         keys = [chunk_key(self.fingerprint, i) for i in ids]
-        todo = [i for i, k in enumerate(keys) if not self.store.contains(k)]
-        todo = list(dict.fromkeys(todo))
+        first: dict[str, int] = {}  # encode each distinct chunk once
+        pending_refs: list[tuple[str, str]] = []
+        todo = []
+        for i, k in enumerate(keys):
+            if self.store.contains(k):
+                if doc_ids and doc_ids[i]:
+                    self.store.add_ref(k, doc_ids[i])
+            elif k not in first:
+                first[k] = i
+                todo.append(i)
+            elif doc_ids and doc_ids[i]:
+                pending_refs.append((k, doc_ids[i]))
         done_before = len(texts) - len(todo)
         if progress:
             progress(done_before, len(texts))
@@ -108,6 +118,8 @@ class TurboRAGEngine:
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
             if progress:
                 progress(done_before + start + len(batch), len(texts))
+        for k, doc in pending_refs:
+            self.store.add_ref(k, doc)
         return keys
 
     def blob_for(self, text: str, *, encode_missing: bool = False) -> KVBlob | None:

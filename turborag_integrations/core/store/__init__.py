@@ -72,14 +72,29 @@ class KVStore:
             setattr(self._stats, name, getattr(self._stats, name) + n)
 
     def put(self, blob: KVBlob, *, doc_id: str | None = None) -> str:
+        """Store a blob (a no-op write if it is already there) and record its document."""
         key = blob.key
-        extra = {"doc_id": doc_id} if doc_id else None
-        written = self.disk.put(key, blob, extra)
-        self._count("writes")
-        self._count("bytes_written", written)
+        if not self.disk.contains(key):
+            written = self.disk.put(key, blob)
+            self._count("writes")
+            self._count("bytes_written", written)
+        if doc_id:
+            self.disk.add_ref(key, doc_id)
         if self.memory is not None:
             self.memory.put(key, blob)
         return key
+
+    def add_ref(self, key: str, doc_id: str) -> None:
+        """Record that document `doc_id` uses the blob under `key`."""
+        self.disk.add_ref(key, doc_id)
+
+    def delete_doc(self, doc_id: str) -> list[str]:
+        """Forget a document: delete the blobs only it used. Returns the deleted keys."""
+        deleted = self.disk.delete_doc(doc_id)
+        if self.memory is not None:
+            for key in deleted:
+                self.memory.delete(key)
+        return deleted
 
     def contains(self, key: str) -> bool:
         return (self.memory is not None and key in self.memory) or self.disk.contains(key)

@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import xxhash
+
 from ..blob import KVBlob
 from ..errors import BlobCorrupted, TurboRAGError
 from . import codec, format
@@ -128,6 +130,42 @@ class DiskTier:
             return True
         except FileNotFoundError:
             return False
+
+    # ---- document references: which documents use which blob ------------------------------
+    # Blobs are content-addressed, so two documents can share one. Each (document, blob) pair is
+    # an empty marker file in both directions; a blob goes when its last document goes. Marker
+    # files keep this safe across processes without a database.
+    def _doc_dir(self, doc_id: str) -> Path:
+        return self.root / "docs" / xxhash.xxh3_64_hexdigest(doc_id.encode())
+
+    def add_ref(self, key: str, doc_id: str) -> None:
+        doc = self._doc_dir(doc_id)
+        ref = self.root / "refs" / key
+        doc.mkdir(parents=True, exist_ok=True)
+        ref.mkdir(parents=True, exist_ok=True)
+        (doc / key).touch()
+        (ref / doc.name).touch()
+
+    def keys_of_doc(self, doc_id: str) -> list[str]:
+        doc = self._doc_dir(doc_id)
+        return sorted(p.name for p in doc.iterdir()) if doc.exists() else []
+
+    def delete_doc(self, doc_id: str) -> list[str]:
+        """Drop a document's references; delete the blobs no other document uses. Returns the
+        keys deleted."""
+        doc = self._doc_dir(doc_id)
+        deleted = []
+        for key in self.keys_of_doc(doc_id):
+            ref_dir = self.root / "refs" / key
+            (ref_dir / doc.name).unlink(missing_ok=True)
+            (doc / key).unlink(missing_ok=True)
+            if not any(ref_dir.iterdir()):
+                ref_dir.rmdir()
+                if self.delete(key):
+                    deleted.append(key)
+        if doc.exists() and not any(doc.iterdir()):
+            doc.rmdir()
+        return deleted
 
     def keys(self) -> Iterator[str]:
         for path in (self.root / "blobs").glob(f"*/*{SUFFIX}"):
