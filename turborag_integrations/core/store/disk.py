@@ -167,6 +167,22 @@ class DiskTier:
             doc.rmdir()
         return deleted
 
+    def sweep_temp(self, older_than_s: float = 3600.0) -> int:
+        """Remove temp files of writers that died mid-write. Young ones may belong to a live
+        writer, so only files older than `older_than_s` go."""
+        import time
+
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for path in (self.root / "blobs").glob(f"*/.tmp-*{SUFFIX}"):
+            try:
+                if path.stat().st_mtime <= cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
     def keys(self) -> Iterator[str]:
         for path in (self.root / "blobs").glob(f"*/*{SUFFIX}"):
             if not path.name.startswith(".tmp-"):

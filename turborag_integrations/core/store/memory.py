@@ -1,41 +1,73 @@
-"""Memory tier: blobs kept in RAM, least recently used evicted first, bounded in bytes."""
+"""Memory tier: blobs kept in RAM (or accelerator memory), bounded in bytes.
+
+Eviction is least-recently-used; admission is frequency-aware (TinyLFU, Einziger et al. 2017):
+when the tier is full, a newcomer only displaces the LRU victim if it has been asked for at least
+as often. A one-off scan over many cold chunks then cannot flush the hot ones.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 
+import torch
+
 from ..blob import KVBlob
 
 
 class MemoryTier:
-    def __init__(self, max_bytes: int = 2 << 30):
+    def __init__(self, max_bytes: int = 2 << 30, *, device: str | torch.device = "cpu"):
         self.max_bytes = int(max_bytes)
+        self.device = torch.device(device)
         self.bytes = 0
         self.evictions = 0
+        self.rejections = 0
         self._items: OrderedDict[str, KVBlob] = OrderedDict()
+        self._freq: dict[str, int] = {}
+        self._touches = 0
         self._lock = threading.Lock()
+
+    def _touch(self, key: str) -> None:
+        self._freq[key] = self._freq.get(key, 0) + 1
+        self._touches += 1
+        # Age the counts so yesterday's hot chunk does not stay hot forever, and bound the table.
+        if self._touches >= 10 * max(len(self._items), 64):
+            self._freq = {k: v // 2 for k, v in self._freq.items() if v // 2 > 0}
+            self._touches = 0
 
     def get(self, key: str) -> KVBlob | None:
         with self._lock:
+            self._touch(key)
             blob = self._items.get(key)
             if blob is not None:
                 self._items.move_to_end(key)
             return blob
 
     def put(self, key: str, blob: KVBlob) -> bool:
-        """Admit a blob, evicting the least recently used; False when it can never fit."""
+        """Admit a blob if it fits and is not colder than what it would evict."""
         size = blob.nbytes
         if size > self.max_bytes:
             return False
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old.nbytes
-            while self.bytes + size > self.max_bytes and self._items:
-                _, victim = self._items.popitem(last=False)
-                self.bytes -= victim.nbytes
+            if key in self._items:
+                self._items.move_to_end(key)
+                return True
+            freq = self._freq.get(key, 0)
+            victims, freed = [], 0
+            for victim_key, victim in self._items.items():  # from least recently used
+                if self.bytes - freed + size <= self.max_bytes:
+                    break
+                if self._freq.get(victim_key, 0) > freq:
+                    self.rejections += 1
+                    return False
+                victims.append(victim_key)
+                freed += victim.nbytes
+            for victim_key in victims:
+                self.bytes -= self._items.pop(victim_key).nbytes
                 self.evictions += 1
+            if self.device.type != "cpu":
+                blob = KVBlob(blob.token_ids, blob.keys.to(self.device), blob.values.to(self.device),
+                              blob.fingerprint)
             self._items[key] = blob
             self.bytes += size
             return True
@@ -51,6 +83,10 @@ class MemoryTier:
         with self._lock:
             self._items.clear()
             self.bytes = 0
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
