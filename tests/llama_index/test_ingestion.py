@@ -1,0 +1,87 @@
+"""KVCachingVectorStore: blobs at ingestion, hidden metadata, deletion, IngestionPipeline."""
+
+from __future__ import annotations
+
+import asyncio
+
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.ingestion import IngestionPipeline
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import MetadataMode, TextNode
+from llama_index.core.storage.docstore import SimpleDocumentStore
+
+from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry,
+                                               KVCachingVectorStore, llm_text)
+
+from .conftest import DOCS
+
+
+def test_add_stores_the_blob_of_the_text_the_llm_sees(index, kv_store, engine):
+    nodes = kv_store.get_nodes()
+    assert len(nodes) == len(DOCS)
+    for node in nodes:
+        key = node.metadata[KV_KEY_METADATA]
+        assert KV_KEY_METADATA in node.excluded_llm_metadata_keys
+        assert KV_KEY_METADATA in node.excluded_embed_metadata_keys
+        text = llm_text(node)
+        assert KV_KEY_METADATA not in text and text.startswith("source: ")
+        assert KV_KEY_METADATA not in node.get_content(metadata_mode=MetadataMode.EMBED)
+        assert engine.chunk_key(text) == key and engine.store.contains(key)
+        assert engine.store.get(key, engine.fingerprint) is not None
+
+
+def test_delete_removes_the_documents_blobs(index, kv_store, engine, embed_model):
+    keys = {n.ref_doc_id: n.metadata[KV_KEY_METADATA] for n in kv_store.get_nodes()}
+    index.delete_ref_doc("ferry")
+    assert not engine.store.contains(keys["ferry"])
+    assert engine.store.contains(keys["kiln"])
+    assert {n.ref_doc_id for n in kv_store.get_nodes()} == {"lighthouse", "kiln"}
+
+
+def test_a_blob_shared_by_two_documents_outlives_one_of_them(engine, tmp_path, embed_model):
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    twins = [Document(text="Same words in two files.", id_=name) for name in ("a", "b")]
+    VectorStoreIndex.from_documents(twins, embed_model=embed_model,
+                                    storage_context=_context(store))
+    (key,) = {n.metadata[KV_KEY_METADATA] for n in store.get_nodes()}
+    store.delete("a")
+    assert engine.store.contains(key)
+    store.delete("b")
+    assert not engine.store.contains(key)
+
+
+def test_ingestion_pipeline_upserts_replace_stale_blobs(engine, tmp_path, embed_model):
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=8), embed_model],
+                                 vector_store=store, docstore=SimpleDocumentStore())
+    pipeline.run(documents=[Document(text="First version of the notes.", id_="notes")])
+    (old,) = [n.metadata[KV_KEY_METADATA] for n in store.get_nodes()]
+    pipeline.run(documents=[Document(text="Second version of the notes.", id_="notes")])
+    (new,) = [n.metadata[KV_KEY_METADATA] for n in store.get_nodes()]
+    assert old != new and engine.store.contains(new) and not engine.store.contains(old)
+    index = VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
+    hit = index.as_retriever(similarity_top_k=1).retrieve("notes")[0]
+    assert hit.node.metadata[KV_KEY_METADATA] == new
+
+
+def test_progress_bar_and_async_add(engine, tmp_path, capsys):
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma", show_progress=True)
+    nodes = [TextNode(text=f"Note number {i}.", embedding=[float(i), 1.0, 0.0]) for i in range(3)]
+    nodes.append(TextNode(text="   ", embedding=[0.0, 0.0, 1.0]))  # no text: no blob, no error
+    asyncio.run(store.async_add(nodes))
+    assert "encoding chunk KV" in capsys.readouterr().err
+    assert [KV_KEY_METADATA in n.metadata for n in nodes] == [True, True, True, False]
+    assert len(store.get_nodes()) == 4
+
+
+def test_registry_is_bounded_and_matches_verbatim():
+    registry = ChunkRegistry(capacity=2)
+    registry.add(["alpha beta", "gamma", "delta"])
+    assert "alpha beta" not in registry and len(registry) == 2
+    assert registry.found_in("x gamma y delt") == ["gamma"]
+
+
+def _context(store):
+    from llama_index.core import StorageContext
+
+    return StorageContext.from_defaults(vector_store=store)

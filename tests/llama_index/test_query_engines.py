@@ -1,0 +1,173 @@
+"""The stock query and chat engines, unchanged, with TurboRAGLLM + KVCachePostprocessor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from llama_index.core import PromptTemplate
+from llama_index.core.chat_engine import CondensePlusContextChatEngine
+from llama_index.core.schema import MetadataMode
+
+from turborag_integrations.llama_index import (KVCachePostprocessor, KVCachingVectorStore,
+                                               TurboRAGLLM, llm_text)
+
+from .conftest import build_index, make_engine
+
+QUESTION = "How high is the Tall Widow lighthouse?"
+MODES = ["compact", "refine", "tree_summarize"]
+
+# Context first, so the single retrieved chunk sits at position 0 of the prompt: there it sees
+# only itself under full attention too, and the stitched answer must equal the full prefill's.
+CONTEXT_FIRST = PromptTemplate("{context_str}\n\nQuestion: {query_str}\nAnswer:")
+
+
+# Queries do not change the index: one per module keeps the suite fast.
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return make_engine(tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture(scope="module")
+def index(engine, embed_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chroma")
+    return build_index(KVCachingVectorStore(engine, path=folder), embed_model)
+
+
+def plain_join(messages):
+    return "\n".join(m.content for m in messages)
+
+
+def answer(query_engine, question=QUESTION, streaming=False):
+    response = query_engine.query(question)
+    if streaming:
+        return "".join(response.response_gen), response
+    return str(response), response
+
+
+def chunk_tokens(engine, nodes):
+    return sum(len(engine.tokenizer(llm_text(n.node), add_special_tokens=False)["input_ids"])
+               for n in nodes)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["sync", "stream"])
+@pytest.mark.parametrize("mode", MODES)
+def test_stock_templates_reuse_the_retrieved_chunks(index, engine, llm_events, mode, streaming):
+    llm = TurboRAGLLM(engine, max_new_tokens=6)
+    qe = index.as_query_engine(llm=llm, node_postprocessors=[KVCachePostprocessor(engine)],
+                               similarity_top_k=2, response_mode=mode, streaming=streaming)
+    text, response = answer(qe, streaming=streaming)
+    stats = llm.last_stats
+    assert text and stats["new_tokens"] > 0
+    assert stats["cache_misses"] == 0 and stats["cache_hits"] >= 1
+    # refine's last call holds one chunk; the others hold both
+    expected = 1 if mode == "refine" else 2
+    assert stats["cache_hits"] == expected
+    assert stats["reused_tokens"] >= chunk_tokens(engine, response.source_nodes[-expected:])
+    assert stats["prefilled_tokens"] == stats["prompt_tokens"] - stats["reused_tokens"]
+    # the same stats travel on the LLM response itself (the last chunk when streaming)
+    assert llm_events and llm_events[-1]["reused_tokens"] == stats["reused_tokens"]
+    assert response.source_nodes[0].node.get_content(MetadataMode.LLM).startswith("source:")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["sync", "stream"])
+@pytest.mark.parametrize("mode", MODES)
+def test_single_chunk_answer_equals_full_prefill(index, engine, mode, streaming):
+    llm = TurboRAGLLM(engine, max_new_tokens=16, messages_to_prompt=plain_join)
+    naive = llm.baseline()
+    answers = {}
+    for name, model in (("turbo", llm), ("naive", naive)):
+        qe = index.as_query_engine(llm=model, node_postprocessors=[llm.postprocessor()],
+                                   similarity_top_k=1, response_mode=mode, streaming=streaming,
+                                   text_qa_template=CONTEXT_FIRST, summary_template=CONTEXT_FIRST)
+        text, response = answer(qe, streaming=streaming)
+        answers[name] = (text, model.last_result)
+    (turbo_text, turbo), (naive_text, full) = answers["turbo"], answers["naive"]
+    assert turbo.stats.cache_hits == 1
+    assert turbo.stats.reused_tokens >= chunk_tokens(engine, response.source_nodes)
+    assert full.stats.reused_tokens == 0 and full.stats.mode == "naive"
+    assert len(turbo.token_ids) > 0
+    assert turbo.token_ids == full.token_ids
+    assert turbo_text == naive_text
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["sync", "stream"])
+def test_condense_plus_context_chat_engine(index, engine, streaming):
+    llm = TurboRAGLLM(engine, max_new_tokens=6)
+    chat = CondensePlusContextChatEngine.from_defaults(
+        retriever=index.as_retriever(similarity_top_k=2), llm=llm,
+        node_postprocessors=[llm.postprocessor()])
+    for turn in (QUESTION, "And when was it first lit?"):  # the second turn also condenses
+        if streaming:
+            response = chat.stream_chat(turn)
+            text = "".join(response.response_gen)
+        else:
+            response = chat.chat(turn)
+            text = response.response
+        assert text
+        stats = llm.last_stats
+        assert stats["cache_hits"] == 2 and stats["cache_misses"] == 0
+        assert stats["reused_tokens"] >= chunk_tokens(engine, response.source_nodes)
+
+
+def test_chat_engine_single_chunk_equals_full_prefill(index, engine):
+    llm = TurboRAGLLM(engine, max_new_tokens=16, messages_to_prompt=plain_join)
+    results = []
+    for model in (llm, llm.baseline()):
+        chat = CondensePlusContextChatEngine.from_defaults(
+            retriever=index.as_retriever(similarity_top_k=1), llm=model,
+            node_postprocessors=[llm.postprocessor()],
+            context_prompt="{context_str}\n\nAnswer the user from the text above.")
+        chat.chat(QUESTION)
+        results.append(model.last_result)
+    turbo, full = results
+    assert turbo.stats.cache_hits == 1 and full.stats.reused_tokens == 0
+    assert turbo.token_ids == full.token_ids and turbo.token_ids
+
+
+def test_async_query_and_streaming(index, engine):
+    llm = TurboRAGLLM(engine, max_new_tokens=6)
+    post = llm.postprocessor()
+
+    async def run():
+        qe = index.as_query_engine(llm=llm, node_postprocessors=[post], similarity_top_k=2)
+        response = await qe.aquery(QUESTION)
+        stats = dict(llm.last_stats)
+        sqe = index.as_query_engine(llm=llm, node_postprocessors=[post], similarity_top_k=2,
+                                    streaming=True)
+        streamed = await sqe.aquery(QUESTION)
+        pieces = [piece async for piece in streamed.async_response_gen()]
+        chunks = [c async for c in await llm.astream_complete("Say hi")]
+        return str(response), stats, "".join(pieces), chunks
+
+    text, stats, streamed_text, chunks = asyncio.run(run())
+    assert text and stats["cache_hits"] == 2
+    assert streamed_text == text  # greedy: the same prompt gives the same answer
+    assert chunks[-1].additional_kwargs["turborag"]["new_tokens"] == 6
+    assert "".join(c.delta for c in chunks) == chunks[-1].text
+
+
+def test_complete_and_chat_use_the_chat_template(engine):
+    from llama_index.core.llms import ChatMessage
+
+    llm = TurboRAGLLM(engine, max_new_tokens=4)
+    assert llm.metadata.is_chat_model and llm.metadata.context_window == engine.context_window
+    assert llm.metadata.num_output == 4 and llm.metadata.model_name == engine.loaded.name
+    completion = llm.complete("hi")
+    chat = llm.chat([ChatMessage(role="user", content="hi")])
+    assert completion.text == chat.message.content
+    assert chat.additional_kwargs["turborag"]["prompt_tokens"] == len(
+        engine.tokenizer(engine.render_chat([{"role": "user", "content": "hi"}]),
+                         add_special_tokens=False)["input_ids"])
+    streamed = list(llm.stream_chat([ChatMessage(role="user", content="hi")]))
+    assert streamed[-1].message.content == chat.message.content
+    assert streamed[-1].additional_kwargs["turborag"]["cache_misses"] == 0
+
+
+def test_bad_settings_are_refused(engine):
+    with pytest.raises(ValueError, match="mode"):
+        TurboRAGLLM(engine, mode="fast")
+    with pytest.raises(ValueError, match="positions"):
+        TurboRAGLLM(engine, positions="sideways")
+    with pytest.raises(TypeError, match="TurboRAGEngine"):
+        KVCachePostprocessor(object())

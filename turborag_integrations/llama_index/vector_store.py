@@ -1,0 +1,202 @@
+"""A vector store wrapper that precomputes each node's KV blob as the node is ingested.
+
+    store = KVCachingVectorStore(engine)                    # embedded Chroma under the cache dir
+    index = VectorStoreIndex.from_documents(
+        docs, storage_context=StorageContext.from_defaults(vector_store=store))
+
+Ingestion is where the chunk prefill is paid, once; queries then stitch the stored blobs. The
+wrapped store does all the vector work: this class only adds blob encoding to `add` and blob
+removal to `delete`, and passes everything else through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import BaseNode
+from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilters,
+                                                  VectorStoreQuery, VectorStoreQueryResult)
+
+from .nodes import KV_KEY_METADATA, hide_kv_key, llm_text
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COLLECTION = "turborag"
+
+
+def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAULT_COLLECTION):
+    """A ChromaVectorStore over an embedded, persistent Chroma (no server).
+
+    `path` defaults to `<turborag cache>/chroma` (see `TURBORAG_CACHE`).
+    """
+    try:
+        import chromadb
+        from llama_index.vector_stores.chroma import ChromaVectorStore
+    except ImportError as exc:  # pragma: no cover - both are dependencies
+        raise ImportError("the default vector store needs chromadb and "
+                          "llama-index-vector-stores-chroma: pip install "
+                          "llama-index-vector-stores-chroma") from exc
+    if path is None:
+        from ..core.models import cache_dir
+
+        path = cache_dir() / "chroma"
+    client = chromadb.PersistentClient(path=str(Path(path).expanduser()))
+    return ChromaVectorStore(chroma_collection=client.get_or_create_collection(collection))
+
+
+def resolve_engine(engine):
+    """Accept an engine, or anything that holds one (a TurboRAGLLM); None loads the default."""
+    if engine is None:
+        from ..core.engine import TurboRAGEngine
+
+        return TurboRAGEngine()
+    inner = getattr(engine, "engine", None)
+    if inner is not None and not hasattr(engine, "encode_chunks"):
+        return inner
+    if not hasattr(engine, "encode_chunks"):
+        raise TypeError(f"expected a TurboRAGEngine or a TurboRAGLLM, got {type(engine).__name__}")
+    return engine
+
+
+class KVCachingVectorStore(BasePydanticVectorStore):
+    """Wraps any vector store; `add` also stores each node's KV blob, `delete` removes them.
+
+    Each node gets metadata `turborag_kv_key` (its blob's key), excluded from LLM and embedding
+    text so it never reaches a prompt or an embedding.
+    """
+
+    stores_text: bool = True
+    is_embedding_query: bool = True
+    show_progress: Optional[bool] = None  # None: a bar from `progress_threshold` nodes on
+    progress_threshold: int = 32
+
+    _inner: BasePydanticVectorStore = PrivateAttr()
+    _engine: Any = PrivateAttr()
+
+    def __init__(self, engine=None, vector_store: BasePydanticVectorStore | None = None, *,
+                 path: str | Path | None = None, collection: str = DEFAULT_COLLECTION,
+                 **kwargs: Any):
+        if vector_store is not None and not isinstance(vector_store, BasePydanticVectorStore):
+            raise TypeError("vector_store must be a llama_index BasePydanticVectorStore, got "
+                            f"{type(vector_store).__name__}")
+        inner = vector_store if vector_store is not None else chroma_vector_store(path, collection)
+        super().__init__(stores_text=inner.stores_text,
+                         is_embedding_query=inner.is_embedding_query, **kwargs)
+        self._inner = inner
+        self._engine = resolve_engine(engine)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVCachingVectorStore"
+
+    @property
+    def vector_store(self) -> BasePydanticVectorStore:
+        return self._inner
+
+    @property
+    def engine(self):
+        return self._engine
+
+    @property
+    def client(self) -> Any:
+        return self._inner.client
+
+    # ---- ingestion ------------------------------------------------------------------------
+    def encode_nodes(self, nodes: Sequence[BaseNode]) -> List[Optional[str]]:
+        """Store the blob of each node's LLM text; record its key in the node's metadata.
+
+        Returns the keys (None for nodes without text). Blobs already stored are not encoded
+        again, so re-ingesting a corpus costs only tokenization.
+        """
+        todo: list[tuple[int, BaseNode, str]] = []
+        keys: List[Optional[str]] = [None] * len(nodes)
+        for i, node in enumerate(nodes):
+            hide_kv_key(node)  # first: the blob text must be what the LLM sees
+            text = llm_text(node)
+            if text:
+                todo.append((i, node, text))
+        if not todo:
+            return keys
+        show = self.show_progress
+        if show is None:
+            show = len(todo) >= self.progress_threshold
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(todo), desc="encoding chunk KV", unit="chunk")
+
+        def progress(done: int, total: int) -> None:
+            if bar is not None:
+                bar.update(done - bar.n)
+
+        try:
+            stored = self._engine.encode_chunks([t for _, _, t in todo],
+                                                doc_ids=[n.ref_doc_id for _, n, _ in todo],
+                                                progress=progress)
+        finally:
+            if bar is not None:
+                bar.close()
+        for (i, node, _), key in zip(todo, stored):
+            node.metadata = {**node.metadata, KV_KEY_METADATA: key}
+            keys[i] = key
+        return keys
+
+    def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> List[str]:
+        self.encode_nodes(nodes)
+        return self._inner.add(nodes, **add_kwargs)
+
+    async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> List[str]:
+        await asyncio.to_thread(self.encode_nodes, nodes)
+        return await self._inner.async_add(nodes, **kwargs)
+
+    # ---- deletion -------------------------------------------------------------------------
+    def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        """Delete the document's nodes, then the blobs no other document uses."""
+        self._inner.delete(ref_doc_id, **delete_kwargs)
+        deleted = self._engine.store.delete_doc(ref_doc_id)
+        log.debug("deleted %d KV blobs of document %s", len(deleted), ref_doc_id)
+
+    async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        await self._inner.adelete(ref_doc_id, **delete_kwargs)
+        await asyncio.to_thread(self._engine.store.delete_doc, ref_doc_id)
+
+    # Blobs are referenced per document, so deleting single nodes (or clearing) leaves their
+    # blobs on disk: they are content-addressed and harmless, and `delete(ref_doc_id)` or a
+    # store cleanup removes them.
+    def delete_nodes(self, node_ids: Optional[List[str]] = None,
+                     filters: Optional[MetadataFilters] = None, **delete_kwargs: Any) -> None:
+        self._inner.delete_nodes(node_ids, filters, **delete_kwargs)
+
+    async def adelete_nodes(self, node_ids: Optional[List[str]] = None,
+                            filters: Optional[MetadataFilters] = None,
+                            **delete_kwargs: Any) -> None:
+        await self._inner.adelete_nodes(node_ids, filters, **delete_kwargs)
+
+    def clear(self) -> None:
+        self._inner.clear()
+
+    async def aclear(self) -> None:
+        await self._inner.aclear()
+
+    # ---- everything else is the wrapped store's -----------------------------------------
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        return self._inner.query(query, **kwargs)
+
+    async def aquery(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        return await self._inner.aquery(query, **kwargs)
+
+    def get_nodes(self, node_ids: Optional[List[str]] = None,
+                  filters: Optional[MetadataFilters] = None) -> List[BaseNode]:
+        return self._inner.get_nodes(node_ids, filters)
+
+    async def aget_nodes(self, node_ids: Optional[List[str]] = None,
+                         filters: Optional[MetadataFilters] = None) -> List[BaseNode]:
+        return await self._inner.aget_nodes(node_ids, filters)
+
+    def persist(self, persist_path: str, fs: Any = None) -> None:
+        self._inner.persist(persist_path, fs=fs)
