@@ -52,7 +52,8 @@ class GenerationStream:
 class TurboRAGEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
-                 batch_size: int = 8, progress: bool = True, cache_prefix: bool = True):
+                 batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
+                 prefetch: bool = False):
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, not {positions!r}")
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
@@ -61,6 +62,7 @@ class TurboRAGEngine:
         self.tokenizer = self.loaded.tokenizer
         self.positions = positions
         self.cache_prefix = cache_prefix
+        self.prefetch = prefetch
         self.fingerprint: Fingerprint = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
         self.rotator = KeyRotator.for_model(self.model)
         self.encoder = ChunkEncoder(self.model, self.tokenizer, self.fingerprint, batch_size=batch_size)
@@ -157,9 +159,19 @@ class TurboRAGEngine:
             return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
         found = set()
         segments = []
-        for i, (text, is_chunk) in enumerate(split_prompt(prompt, chunks)):
+        pieces = split_prompt(prompt, chunks)
+        pending = {}
+        if self.prefetch:
+            # Read all blobs concurrently (threads release the GIL in file I/O) instead of one
+            # after another; the first wait below overlaps with the remaining reads.
+            keys = {text: self.chunk_key(text) for text, is_chunk in pieces if is_chunk}
+            futures = self.store.prefetch(list(keys.values()), self.fingerprint)
+            pending = {text: f for text, f in zip(keys, futures)}
+        for i, (text, is_chunk) in enumerate(pieces):
             if is_chunk:
-                blob = self.blob_for(text, encode_missing=encode_missing)
+                blob = pending[text].result() if text in pending else None
+                if blob is None:
+                    blob = self.blob_for(text, encode_missing=encode_missing)
                 if blob is not None:
                     found.add(text)
             elif i == 0 and self.cache_prefix:
