@@ -1,0 +1,25 @@
+"""LangChain adapters for TurboRAG: a KV-caching vector store wrapper and chat/LLM models.
+
+    engine = TurboRAGEngine()
+    store = KVCachingVectorStore(engine=engine, persist_directory="./db")
+    store.add_documents(docs)                      # embeds and encodes KV blobs
+    llm = TurboRAGChatModel(engine=engine)         # reuses those blobs inside any prompt
+    chain = store.as_retriever() | format_docs | prompt | llm | StrOutputParser()
+
+Importing this package imports langchain-core (and langchain-chroma when the default store is
+built); the core engine does not need either.
+"""
+
+from ..core.errors import FingerprintMismatch
+from .callbacks import TurboRAGRunCollector
+from .chat_model import TurboRAGChatModel
+from .embeddings import SentenceTransformerEmbeddings
+from .fingerprints import FINGERPRINT, KV_KEY, MODEL
+from .generation import shared_engine
+from .llm import TurboRAGLLM
+from .registry import ChunkRegistry, default_registry
+from .vectorstore import KVCachingVectorStore
+
+__all__ = ["KVCachingVectorStore", "TurboRAGChatModel", "TurboRAGLLM", "TurboRAGRunCollector",
+           "ChunkRegistry", "default_registry", "SentenceTransformerEmbeddings", "shared_engine",
+           "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL"]

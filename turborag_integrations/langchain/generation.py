@@ -1,0 +1,170 @@
+"""What the chat model and the text-completion LLM share: engine, sampling knobs, chunk lookup.
+
+Both adapters end in the same call, `engine.stream(prompt, chunks=...)`; they differ only in how
+the prompt is made (chat template or raw text) and in the LangChain types they return.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Literal
+
+from langchain_core.documents import Document
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from ..core.engine import GenerationStream, TurboRAGEngine
+from ..core.generate import GenerationConfig, GenerationStats
+from .fingerprints import check_metadata, mismatch
+from .registry import ChunkRegistry, default_registry
+
+log = logging.getLogger(__name__)
+
+_ENGINES: dict[str | None, TurboRAGEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+# Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
+_FRAMEWORK_KWARGS = {"stream", "ls_structured_output_format"}
+_CALL_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "mode", "chunks", "model",
+                "encode_missing"}
+
+STAT_KEYS = ("ttft_s", "reused_tokens", "prefilled_tokens", "cache_hits", "cache_misses")
+
+
+def shared_engine(model: str | None = None) -> TurboRAGEngine:
+    """One engine per model name per process, so a model loads once however many adapters (and
+    the vector store wrapper) ask for it by name. `None` is the bundled default model."""
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(model)
+        if engine is None:
+            engine = _ENGINES[model] = TurboRAGEngine(model, progress=False)
+        return engine
+
+
+def chunk_texts(chunks: Any) -> list[str]:
+    """Texts from a str, a Document, or a list of either."""
+    if chunks is None:
+        return []
+    if isinstance(chunks, (str, Document)):
+        chunks = [chunks]
+    return [c.page_content if isinstance(c, Document) else str(c) for c in chunks]
+
+
+class TurboRAGParams(BaseModel):
+    """Fields and helpers of the TurboRAG LangChain models."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True,
+                              protected_namespaces=())
+
+    engine: TurboRAGEngine | None = Field(default=None, exclude=True)
+    """The engine (model + KV store). Share it with `KVCachingVectorStore` so both use one
+    store. If not given, a shared engine for `model` is created on first use."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Model to load when no engine is given (None: the bundled SmolLM2)."""
+    mode: Literal["turbo", "naive"] = "turbo"
+    """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    max_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+    """Stream through `_stream` even when invoked (LangChain's standard flag)."""
+    chunks: list[str] = Field(default_factory=list)
+    """Texts to look for in every prompt, besides those in the registry."""
+    registry: ChunkRegistry | None = Field(default=None, exclude=True)
+    """Where the vector store wrapper records document texts (None: the process-wide one)."""
+    encode_missing: bool = False
+    """Encode and store blobs for looked-for texts that have none yet (first use pays)."""
+    check_fingerprint: bool = True
+    """Raise FingerprintMismatch when the prompt holds documents ingested for another model."""
+
+    _engine: TurboRAGEngine | None = PrivateAttr(default=None)
+
+    # ---- engine ---------------------------------------------------------------------------
+    def get_engine(self) -> TurboRAGEngine:
+        if self.engine is not None:
+            return self.engine
+        if self._engine is None:
+            self._engine = shared_engine(self.model_name)
+        return self._engine
+
+    def get_registry(self) -> ChunkRegistry:
+        return self.registry if self.registry is not None else default_registry()
+
+    @property
+    def resolved_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.engine is not None:
+            return self.engine.loaded.name
+        return "smollm2-135m-instruct"
+
+    # ---- one call -------------------------------------------------------------------------
+    def _split_kwargs(self, kwargs: dict) -> dict:
+        unknown = set(kwargs) - _CALL_KWARGS - _FRAMEWORK_KWARGS
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unsupported arguments {sorted(unknown)}; "
+                            f"it accepts {sorted(_CALL_KWARGS)} (tools and structured output are "
+                            "not supported)")
+        return {k: v for k, v in kwargs.items() if k in _CALL_KWARGS}
+
+    def generation_config(self, stop: list[str] | None, call: dict) -> GenerationConfig:
+        stops = stop if stop is not None else self.stop
+        return GenerationConfig(
+            max_new_tokens=call.get("max_tokens", self.max_tokens),
+            temperature=call.get("temperature", self.temperature),
+            top_p=call.get("top_p", self.top_p), top_k=call.get("top_k", self.top_k),
+            seed=call.get("seed", self.seed), stop=tuple(stops or ()))
+
+    def candidate_chunks(self, engine: TurboRAGEngine, prompt: str, call: dict) -> list[str]:
+        """Texts the engine should look for in `prompt`.
+
+        Registry texts are filtered to those the prompt contains, so `cache_misses` counts
+        documents that are in the prompt but have no (current) blob: never-ingested or edited.
+        """
+        explicit = [*self.chunks, *chunk_texts(call.get("chunks"))]
+        if self.check_fingerprint:
+            for doc in call.get("chunks") or ():
+                if isinstance(doc, Document):
+                    check_metadata(engine, doc.metadata, "a document passed in `chunks`")
+        found = self.get_registry().found_in(prompt)
+        if self.check_fingerprint:
+            fp = engine.fingerprint.id
+            for entry in found:
+                if entry.fingerprints and fp not in entry.fingerprints:
+                    recorded, model = next(iter(entry.fingerprints.items()))
+                    preview = entry.text[:60].replace("\n", " ")
+                    raise mismatch(engine, recorded, model,
+                                   f"a document in this prompt ({preview!r}…)")
+        return list(dict.fromkeys([*explicit, *(e.text for e in found)]))
+
+    def start(self, prompt: str, stop: list[str] | None, kwargs: dict) -> GenerationStream:
+        call = self._split_kwargs(kwargs)
+        if call.get("model") not in (None, self.resolved_model_name):
+            raise ValueError(f"{type(self).__name__} runs {self.resolved_model_name!r}; a per-call "
+                             f"model ({call['model']!r}) is not supported: make another instance")
+        engine = self.get_engine()
+        mode = call.get("mode", self.mode)
+        chunks = self.candidate_chunks(engine, prompt, call) if mode == "turbo" else []
+        return engine.stream(prompt, chunks=chunks, config=self.generation_config(stop, call),
+                             mode=mode, encode_missing=call.get("encode_missing",
+                                                                self.encode_missing))
+
+    # ---- reporting ------------------------------------------------------------------------
+    def response_metadata(self, stats: GenerationStats) -> dict:
+        return {"model_name": self.resolved_model_name, "model_provider": "turborag",
+                "finish_reason": stats.finish_reason, "turborag": stats.as_dict()}
+
+    @staticmethod
+    def usage_metadata(stats: GenerationStats) -> dict:
+        return {"input_tokens": stats.prompt_tokens, "output_tokens": stats.new_tokens,
+                "total_tokens": stats.prompt_tokens + stats.new_tokens,
+                "input_token_details": {"cache_read": stats.reused_tokens}}
+
+    def identifying(self) -> dict[str, Any]:
+        return {"model_name": self.resolved_model_name, "mode": self.mode,
+                "temperature": self.temperature, "max_tokens": self.max_tokens,
+                "top_p": self.top_p, "top_k": self.top_k}

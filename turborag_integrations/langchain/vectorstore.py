@@ -1,0 +1,233 @@
+"""KVCachingVectorStore: any LangChain vector store, plus a KV blob per document.
+
+Documents are encoded with the engine's model when they are added, so that a later prompt that
+contains them prefills only the question. Search is the wrapped store's; what the wrapper adds on
+the way out is bookkeeping: every document it returns is registered as a text the chat model
+should look for, and checked for having been ingested with the engine's model.
+
+    store = KVCachingVectorStore(engine=engine, persist_directory="./db")   # embedded Chroma
+    store.add_documents(docs)
+    chain = store.as_retriever() | format_docs | prompt | TurboRAGChatModel(engine=engine)
+
+Blobs are reference-counted per document id (the vector store's ids): deleting or replacing a
+document drops the blob unless another document has the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Callable, Iterable, Sequence
+
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores import VectorStore
+
+from ..core.engine import TurboRAGEngine
+from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
+from .generation import shared_engine
+from .registry import ChunkRegistry, default_registry
+
+log = logging.getLogger(__name__)
+
+_PRECHECK_PAGE = 256
+_PRECHECK_LIMIT = 4096  # documents without our metadata scanned at most, on construction
+
+
+def _chroma(embedding: Embeddings | None, persist_directory: str | None,
+            collection_name: str, **kwargs: Any) -> VectorStore:
+    from langchain_chroma import Chroma
+
+    if embedding is None:
+        from .embeddings import SentenceTransformerEmbeddings
+
+        embedding = SentenceTransformerEmbeddings()
+    return Chroma(collection_name=collection_name, embedding_function=embedding,
+                  persist_directory=str(persist_directory) if persist_directory else None,
+                  **kwargs)
+
+
+class KVCachingVectorStore(VectorStore):
+    """Wraps `vectorstore` (default: embedded Chroma over the bundled MiniLM embeddings).
+
+    Args:
+        vectorstore: the store to wrap; None builds a Chroma collection.
+        engine: the TurboRAGEngine whose model encodes the blobs (share it with the chat model);
+            None uses the shared engine of `model`.
+        embedding, persist_directory, collection_name: for the default Chroma store only.
+        registry: where retrieved texts are recorded for the chat model (None: process-wide).
+        check_fingerprint: refuse a store whose documents were encoded by another model.
+        turborag_metadata: keep the `turborag_*` keys in returned documents' metadata. Off by
+            default, so documents come back exactly as they were added.
+        progress: callable(done, total) for encoding progress.
+    """
+
+    def __init__(self, vectorstore: VectorStore | None = None, *,
+                 engine: TurboRAGEngine | None = None, model: str | None = None,
+                 embedding: Embeddings | None = None, persist_directory: str | None = None,
+                 collection_name: str = "turborag", registry: ChunkRegistry | None = None,
+                 check_fingerprint: bool = True, turborag_metadata: bool = False,
+                 progress: Callable[[int, int], None] | None = None):
+        self.engine = engine if engine is not None else shared_engine(model)
+        self.vectorstore = vectorstore if vectorstore is not None else _chroma(
+            embedding, persist_directory, collection_name)
+        self.registry = registry if registry is not None else default_registry()
+        self.check_fingerprint = check_fingerprint
+        self.turborag_metadata = turborag_metadata
+        self.progress = progress
+        if check_fingerprint:
+            self._check_store()
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        return self.vectorstore.embeddings
+
+    # ---- fingerprints ---------------------------------------------------------------------
+    def _check_store(self) -> None:
+        """Fail at construction if the store holds documents encoded by another model.
+
+        Only stores with Chroma's `get(where=...)` can be asked this without a query; for
+        others the check happens on every search instead.
+        """
+        get = getattr(self.vectorstore, "get", None)
+        if get is None:
+            return
+        # Chroma's $ne also matches documents without the key (added around the wrapper), so
+        # scan a bounded number of pages for one that records another fingerprint.
+        where = {FINGERPRINT: {"$ne": self.engine.fingerprint.id}}
+        for offset in range(0, _PRECHECK_LIMIT, _PRECHECK_PAGE):
+            try:
+                found = get(where=where, limit=_PRECHECK_PAGE, offset=offset,
+                            include=["metadatas"])
+            except Exception as exc:  # not a Chroma-like get: checked on search instead
+                log.debug("cannot pre-check fingerprints of %s: %s", type(self.vectorstore), exc)
+                return
+            metadatas = (found or {}).get("metadatas") or []
+            for metadata in metadatas:
+                check_metadata(self.engine, metadata or {}, "this vector store")
+            if len(metadatas) < _PRECHECK_PAGE:
+                return
+
+    def _receive(self, doc: Document) -> Document:
+        """Check and register one retrieved document; return it as the caller should see it."""
+        metadata = doc.metadata or {}
+        if self.check_fingerprint:
+            check_metadata(self.engine, metadata, f"document {doc.id!r}")
+        self.registry.add(doc.page_content, metadata.get(FINGERPRINT), metadata.get(MODEL))
+        if self.turborag_metadata or not any(k in metadata for k in METADATA_KEYS):
+            return doc
+        return doc.model_copy(update={"metadata": {k: v for k, v in metadata.items()
+                                                   if k not in METADATA_KEYS}})
+
+    # ---- writes ---------------------------------------------------------------------------
+    def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, *,
+                  ids: list[str | None] | None = None, **kwargs: Any) -> list[str]:
+        texts = list(texts)
+        if metadatas is not None and len(metadatas) != len(texts):
+            raise ValueError(f"got {len(metadatas)} metadatas for {len(texts)} texts")
+        if ids is not None and len(ids) != len(texts):
+            raise ValueError(f"got {len(ids)} ids for {len(texts)} texts")
+        # Blobs are reference-counted by document id, so every document needs one now.
+        doc_ids = [i or str(uuid.uuid4()) for i in (ids or [None] * len(texts))]
+        self._forget_replaced(doc_ids, texts)
+        keys = self._encode(texts, doc_ids)
+        fp = self.engine.fingerprint
+        stamped = []
+        for i, key in enumerate(keys):
+            metadata = dict(metadatas[i] or {}) if metadatas else {}
+            if key:
+                metadata.update({KV_KEY: key, FINGERPRINT: fp.id, MODEL: fp.describe()})
+            stamped.append(metadata)
+        added = self.vectorstore.add_texts(texts, metadatas=stamped, ids=doc_ids, **kwargs)
+        for text in texts:
+            self.registry.add(text, fp.id, fp.describe())
+        return added
+
+    def _encode(self, texts: Sequence[str], doc_ids: Sequence[str]) -> list[str | None]:
+        todo = [i for i, t in enumerate(texts) if t and t.strip()]
+        keys: list[str | None] = [None] * len(texts)
+        if todo:
+            encoded = self.engine.encode_chunks([texts[i] for i in todo],
+                                                doc_ids=[doc_ids[i] for i in todo],
+                                                progress=self.progress)
+            for i, key in zip(todo, encoded):
+                keys[i] = key
+        return keys
+
+    def _forget_replaced(self, doc_ids: Sequence[str], texts: Sequence[str]) -> None:
+        """Drop the blob references of documents whose id is re-added with other text."""
+        new_text = dict(zip(doc_ids, texts))
+        try:
+            existing = self.vectorstore.get_by_ids(list(new_text))
+        except NotImplementedError:
+            # Cannot tell which ids exist: drop them all (unchanged ones are re-encoded).
+            for doc_id in new_text:
+                self.engine.store.delete_doc(doc_id)
+            return
+        for doc in existing:
+            if doc.id in new_text and doc.page_content != new_text[doc.id]:
+                self.engine.store.delete_doc(doc.id)
+                self.registry.discard(doc.page_content)
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        if ids is not None and len(ids) == 0:
+            return True  # nothing to delete (some stores, Chroma among them, refuse [])
+        if ids:
+            try:
+                for doc in self.vectorstore.get_by_ids(list(ids)):
+                    self.registry.discard(doc.page_content)
+            except NotImplementedError:
+                pass
+        result = self.vectorstore.delete(ids, **kwargs)
+        for doc_id in ids or ():
+            self.engine.store.delete_doc(doc_id)
+        return result
+
+    @classmethod
+    def from_texts(cls, texts: list[str], embedding: Embeddings,
+                   metadatas: list[dict] | None = None, *, ids: list[str] | None = None,
+                   vectorstore: VectorStore | None = None, engine: TurboRAGEngine | None = None,
+                   model: str | None = None, persist_directory: str | None = None,
+                   collection_name: str = "turborag", registry: ChunkRegistry | None = None,
+                   check_fingerprint: bool = True, turborag_metadata: bool = False,
+                   **kwargs: Any) -> "KVCachingVectorStore":
+        """Build the (default Chroma) store over `embedding`, then add and encode `texts`."""
+        store = cls(vectorstore, engine=engine, model=model, embedding=embedding,
+                    persist_directory=persist_directory, collection_name=collection_name,
+                    registry=registry, check_fingerprint=check_fingerprint,
+                    turborag_metadata=turborag_metadata)
+        store.add_texts(texts, metadatas, ids=ids, **kwargs)
+        return store
+
+    # ---- reads: the wrapped store's, documents received on the way out --------------------
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return [self._receive(d) for d in self.vectorstore.get_by_ids(ids)]
+
+    def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return [self._receive(d) for d in self.vectorstore.similarity_search(query, k, **kwargs)]
+
+    def similarity_search_with_score(self, query: str, k: int = 4,
+                                     **kwargs: Any) -> list[tuple[Document, float]]:
+        return [(self._receive(d), s)
+                for d, s in self.vectorstore.similarity_search_with_score(query, k, **kwargs)]
+
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4,
+                                    **kwargs: Any) -> list[Document]:
+        return [self._receive(d)
+                for d in self.vectorstore.similarity_search_by_vector(embedding, k, **kwargs)]
+
+    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
+                                      lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        docs = self.vectorstore.max_marginal_relevance_search(
+            query, k=k, fetch_k=fetch_k, lambda_mult=lambda_mult, **kwargs)
+        return [self._receive(d) for d in docs]
+
+    def max_marginal_relevance_search_by_vector(self, embedding: list[float], k: int = 4,
+                                                fetch_k: int = 20, lambda_mult: float = 0.5,
+                                                **kwargs: Any) -> list[Document]:
+        docs = self.vectorstore.max_marginal_relevance_search_by_vector(
+            embedding, k=k, fetch_k=fetch_k, lambda_mult=lambda_mult, **kwargs)
+        return [self._receive(d) for d in docs]
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        return self.vectorstore._select_relevance_score_fn()
