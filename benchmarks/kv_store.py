@@ -141,19 +141,23 @@ def main(argv=None) -> int:
         # int8 fidelity against native blobs on RAG prompts.
         chunks, prompts = rag_prompts(native, args.prompts)
         native.store = stores["native"]
-        for engine in (native, engines["int8"]):
+        for engine in (native, engines["int8"], engines["bfloat16"]):
             engine.encode_chunks(chunks)
         config = GenerationConfig(max_new_tokens=16)
-        agree, max_dlogit = 0, 0.0
+        agree = {"int8": 0, "bfloat16": 0}
+        dlogit = {"int8": 0.0, "bfloat16": 0.0}
         for prompt, picked in prompts:
             a = native.generate(prompt, chunks=picked, config=config)
-            b = engines["int8"].generate(prompt, chunks=picked, config=config)
-            agree += a.token_ids == b.token_ids
             la = native.prefill(native.segments(prompt, picked)[0]).logits
-            lb = engines["int8"].prefill(engines["int8"].segments(prompt, picked)[0]).logits
-            max_dlogit = max(max_dlogit, (la - lb).abs().max().item())
-        out["int8_agreement"] = agree / len(prompts)
-        out["int8_max_abs_dlogit"] = max_dlogit
+            for d in agree:
+                b = engines[d].generate(prompt, chunks=picked, config=config)
+                agree[d] += a.token_ids == b.token_ids
+                lb = engines[d].prefill(engines[d].segments(prompt, picked)[0]).logits
+                dlogit[d] = max(dlogit[d], (la - lb).abs().max().item())
+        out["int8_agreement"] = agree["int8"] / len(prompts)
+        out["int8_max_abs_dlogit"] = dlogit["int8"]
+        out["bfloat16_agreement"] = agree["bfloat16"] / len(prompts)
+        out["bfloat16_max_abs_dlogit"] = dlogit["bfloat16"]
         out["int8_prompts"] = len(prompts)
     if args.json:
         print(json.dumps(out))
@@ -168,6 +172,8 @@ def main(argv=None) -> int:
           f"on {out['prefetch_ttft_s']['on']:.3f}s")
     print(f"int8 vs native: greedy answers agree on {out['int8_agreement']:.1%} of "
           f"{out['int8_prompts']} prompts; max |Δ logit| {out['int8_max_abs_dlogit']:.3f}")
+    print(f"bfloat16 vs native (for reference): {out['bfloat16_agreement']:.1%}; "
+          f"max |Δ logit| {out['bfloat16_max_abs_dlogit']:.3f}")
     return 0
 
 

@@ -149,6 +149,11 @@ class KVStore:
             self._count("misses")
             return None
         self._count(tier_name)
+        if tier_name == "disk_hits" and self._tiers():
+            # Disk blobs are views of a memory map: the page cache, not ours to keep. A memory
+            # tier must own its bytes, or evicted pages would be re-read from disk on a "hit".
+            blob = KVBlob(blob.token_ids.clone(), blob.keys.clone(), blob.values.clone(),
+                          blob.fingerprint)
         for name, tier in self._tiers():
             if name == tier_name:
                 break
