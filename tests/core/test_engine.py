@@ -141,3 +141,19 @@ def test_prefix_caching_is_exact(tiny, tmp_path):
     assert a.plan.reused_tokens == b.plan.reused_tokens + len("System: be brief.\nContext:\n")
     assert a.plan.token_ids == b.plan.token_ids
     torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
+
+
+def test_stream_closed_early_still_reports_stats(engine):
+    stream = engine.stream("Hello", config=GenerationConfig(max_new_tokens=30), mode="naive")
+    it = iter(stream)
+    next(it)
+    it.close()
+    assert stream.result is not None and stream.result.stats.finish_reason == "cancelled"
+    assert stream.result.stats.new_tokens >= 1
+
+
+def test_prompt_without_found_chunks_is_not_stored(engine):
+    before = len(engine.store.keys())
+    engine.generate("no chunk here at all", chunks=["absent chunk text"],
+                    config=GenerationConfig(max_new_tokens=2))
+    assert len(engine.store.keys()) == before

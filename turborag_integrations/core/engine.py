@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -70,6 +71,7 @@ class TurboRAGEngine:
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
         self._keys: dict[str, str] = {}
+        self._keys_lock = threading.Lock()
 
     def warmup(self) -> None:
         """Run one tiny forward so the first timed call does not pay for lazy initialisation."""
@@ -87,9 +89,10 @@ class TurboRAGEngine:
         key = self._keys.get(digest)
         if key is None:
             key = chunk_key(self.fingerprint, self.encoder.tokenize(text))
-            if len(self._keys) >= 65536:
-                self._keys.pop(next(iter(self._keys)))
-            self._keys[digest] = key
+            with self._keys_lock:
+                if len(self._keys) >= 65536:
+                    self._keys.pop(next(iter(self._keys)))
+                self._keys[digest] = key
         return key
 
     def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
@@ -174,7 +177,7 @@ class TurboRAGEngine:
                     blob = self.blob_for(text, encode_missing=encode_missing)
                 if blob is not None:
                     found.add(text)
-            elif i == 0 and self.cache_prefix:
+            elif i == 0 and self.cache_prefix and any(c for _, c in pieces[1:]):
                 # The text before the first chunk (system prompt, template head) sees only
                 # itself, exactly like a chunk at position 0: caching it is exact, and it is the
                 # same for every query of an app.
@@ -250,25 +253,22 @@ class TurboRAGEngine:
             else:
                 if len(deltas.ids) < min(config.max_new_tokens, room):
                     finish = "stop"  # end-of-sequence token
+        except GeneratorExit:
+            finish = "cancelled"
+            raise
         finally:
             tokens.close()
             self.cache_pool.release(pre.cache)
+            # Filled in even when the consumer stops early (closing the stream), so the stats
+            # of a partial answer are not lost.
+            t_end = now()
+            if t_first is None:
+                stats.ttft_s = t_end - t0
+            stats.new_tokens = len(deltas.ids)
+            stats.decode_s = t_end - t_first if t_first is not None else 0.0
+            stats.finish_reason = finish
+            stream.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids),
+                                             stats=stats)
         tail = deltas.flush()
         if tail:
             yield tail
-        t_end = now()
-        if t_first is None:
-            stats.ttft_s = t_end - t0
-        stats.new_tokens = len(deltas.ids)
-        stats.decode_s = t_end - t_first if t_first is not None else 0.0
-        stats.finish_reason = finish
-        stream.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids), stats=stats)
-
-    def full_prefill_logits(self, segments: Sequence[Segment]) -> torch.Tensor:
-        """Next-token logits of a plain causal forward over the same tokens (the baseline)."""
-        plan = plan_prompt([Segment(s.text) if not s.cached else Segment(s.text, s.blob)
-                            for s in segments], self.tokenizer, positions="reordered")
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([plan.token_ids]), use_cache=False,
-                             logits_to_keep=1)
-        return out.logits[0, -1].float()
