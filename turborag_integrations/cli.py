@@ -89,6 +89,234 @@ def demo(
                f"({full.ttft_s / turbo.ttft_s:.1f}x slower)")
 
 
+store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the KV store.")
+app.add_typer(store_app, name="store")
+bench_app = typer.Typer(no_args_is_help=True, help="Run a benchmark script (source checkout).")
+app.add_typer(bench_app, name="bench")
+
+StoreOpt = typer.Option(None, "--store", help="workspace folder (default ~/.cache/turborag/"
+                        "workspace or $TURBORAG_WORKSPACE)")
+
+
+def _workspace(store: Optional[Path], model: Optional[str] = None, **kwargs):
+    from .core.errors import TurboRAGError
+    from .workspace import Workspace
+
+    try:
+        return Workspace(store, model=model, **kwargs)
+    except TurboRAGError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def ingest(
+    paths: list[Path] = typer.Argument(..., help="files and folders (.txt .md .rst .html .pdf)"),
+    store: Optional[Path] = StoreOpt,
+    model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
+    chunk_tokens: int = typer.Option(512, help="chunk size in tokens (first ingestion only)"),
+    json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
+):
+    """Chunk, embed and encode KV blobs for documents. Reruns skip what is already in."""
+    import json
+
+    from tqdm import tqdm
+
+    from .core.errors import TurboRAGError
+
+    ws = _workspace(store, model, chunk_tokens=chunk_tokens)
+    try:
+        with tqdm(desc="ingesting", unit="file", disable=json_out) as bar:
+            def progress(path, done, total):
+                bar.total = total
+                bar.set_postfix_str(Path(path).name[-30:])
+                bar.update(done - bar.n)
+            counts = ws.ingest(paths, progress=progress)
+    except TurboRAGError as exc:
+        _fail(str(exc))
+    if json_out:
+        typer.echo(json.dumps(counts))
+    else:
+        typer.echo(f"{counts['ingested']} file(s) ingested ({counts['chunks']} chunks), "
+                   f"{counts['skipped']} unchanged, into {ws.root}")
+
+
+def _print_answer(ws, answer, compare: bool, json_out: bool) -> dict:
+    stats = answer.stats
+    report = {"answer": answer.text, "sources": sorted({s.path for s in answer.sources}),
+              "ttft_s": stats.ttft_s, "reused_fraction": stats.reused_tokens / max(stats.prompt_tokens, 1),
+              "prompt_tokens": stats.prompt_tokens, "mode": stats.mode}
+    if compare:
+        report["full_prefill_ttft_s"] = ws.full_prefill_ttft(answer)
+    if json_out:
+        return report
+    typer.echo("\n\nsources: " + ", ".join(report["sources"]))
+    typer.echo(f"TTFT {stats.ttft_s * 1000:.0f} ms ({stats.mode}); {stats.reused_tokens} of "
+               f"{stats.prompt_tokens} prompt tokens reused ({report['reused_fraction']:.0%})")
+    if compare:
+        full = report["full_prefill_ttft_s"]
+        typer.echo(f"TTFT full prefill {full * 1000:.0f} ms ({full / stats.ttft_s:.1f}x slower)")
+    return report
+
+
+@app.command()
+def ask(
+    question: str = typer.Argument(..., help="the question"),
+    store: Optional[Path] = StoreOpt,
+    model: Optional[str] = typer.Option(None, help="model (default: the one ingested with)"),
+    mode: str = typer.Option("turbo", help="turbo (reuse KV blobs) | naive (full prefill)"),
+    top_k: int = typer.Option(4, help="chunks to retrieve"),
+    max_new_tokens: int = typer.Option(128),
+    compare: bool = typer.Option(False, help="also time a full prefill of the same prompt"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+):
+    """Answer a question over the ingested documents, streaming the answer."""
+    import json
+
+    from .core.errors import TurboRAGError
+    from .core.generate import GenerationConfig
+
+    if mode not in ("turbo", "naive"):
+        _fail(f"--mode must be turbo or naive, not {mode!r}")
+    ws = _workspace(store, model)
+    try:
+        if compare:
+            ws.engine.warmup()  # so that neither timed path pays for first-call set-up
+        answer = ws.ask(question, k=top_k, mode=mode,
+                        config=GenerationConfig(max_new_tokens=max_new_tokens))
+        for delta in answer:
+            if not json_out:
+                typer.echo(delta, nl=False)
+        report = _print_answer(ws, answer, compare, json_out)
+    except TurboRAGError as exc:
+        _fail(str(exc))
+    if json_out:
+        typer.echo(json.dumps(report))
+
+
+@app.command()
+def chat(
+    store: Optional[Path] = StoreOpt,
+    model: Optional[str] = typer.Option(None),
+    top_k: int = typer.Option(4),
+    max_new_tokens: int = typer.Option(128),
+):
+    """Ask questions in a loop (empty line or Ctrl-D to quit); earlier turns are kept."""
+    from .core.errors import TurboRAGError
+    from .core.generate import GenerationConfig
+
+    ws = _workspace(store, model)
+    history: list[dict] = []
+    while True:
+        try:
+            question = input("\n> ").strip()
+        except EOFError:
+            break
+        if not question:
+            break
+        try:
+            answer = ws.ask(question, k=top_k, history=history[-4:],
+                            config=GenerationConfig(max_new_tokens=max_new_tokens))
+            for delta in answer:
+                typer.echo(delta, nl=False)
+            _print_answer(ws, answer, False, False)
+        except TurboRAGError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            continue
+        history += [{"role": "user", "content": question},
+                    {"role": "assistant", "content": answer.text}]
+
+
+@store_app.command("stats")
+def store_stats(store: Optional[Path] = StoreOpt,
+                json_out: bool = typer.Option(False, "--json")):
+    """Blobs, bytes on disk and documents of a workspace's KV store."""
+    import json
+
+    from .core.store import KVStore
+
+    ws = _workspace(store)
+    kv = KVStore(ws.root / "kv", memory_bytes=0)
+    usage = kv.disk_usage()
+    docs = ws.collection.count()
+    report = {"workspace": str(ws.root), "model": ws.model_name, "blobs": usage["blobs"],
+              "bytes": usage["bytes"], "chunks_indexed": docs}
+    if json_out:
+        typer.echo(json.dumps(report))
+    else:
+        for k, v in report.items():
+            typer.echo(f"{k}: {v:,}" if isinstance(v, int) else f"{k}: {v}")
+
+
+@store_app.command("verify")
+def store_verify(store: Optional[Path] = StoreOpt,
+                 remove: bool = typer.Option(False, help="delete the corrupted blobs"),
+                 json_out: bool = typer.Option(False, "--json")):
+    """Check every blob's checksum; exit 1 if any is corrupted."""
+    import json
+
+    from .core.store import KVStore
+
+    ws = _workspace(store)
+    problems = KVStore(ws.root / "kv", memory_bytes=0).verify(remove=remove)
+    if json_out:
+        typer.echo(json.dumps({"corrupted": problems}))
+    else:
+        for key, why in problems.items():
+            typer.echo(f"{key}: {why}")
+        typer.echo(f"{len(problems)} corrupted blob(s)" + (" removed" if remove and problems else ""))
+    if problems:
+        raise typer.Exit(1)
+
+
+@store_app.command("gc")
+def store_gc(store: Optional[Path] = StoreOpt):
+    """Delete blobs of other model setups than the workspace's model."""
+    ws = _workspace(store)
+    deleted = ws.engine.store.gc(keep=ws.engine.fingerprint)
+    typer.echo(f"{len(deleted)} blob(s) of other models deleted")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench(name: str, args: list[str]) -> None:
+    import runpy
+
+    script = BENCHMARKS / f"{name}.py"
+    if not script.exists():
+        _fail(f"benchmark {name} not found: benchmarks ship with the source checkout "
+              f"(looked in {BENCHMARKS})")
+    sys.argv = [str(script), *args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+_BENCH_CTX = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@bench_app.command("ttft", context_settings=_BENCH_CTX)
+def bench_ttft(ctx: typer.Context):
+    """benchmarks/ttft.py: full prefill vs TurboRAG TTFT (flags pass through)."""
+    _bench("ttft", ctx.args)
+
+
+@bench_app.command("store", context_settings=_BENCH_CTX)
+def bench_store(ctx: typer.Context):
+    """benchmarks/kv_store.py: bytes per token, load times, int8 fidelity."""
+    _bench("kv_store", ctx.args)
+
+
+@bench_app.command("rapid", context_settings=_BENCH_CTX)
+def bench_rapid(ctx: typer.Context):
+    """benchmarks/rapid.py: RAPID vs the long-context target."""
+    _bench("rapid", ctx.args)
+
+
+@bench_app.command("decode", context_settings=_BENCH_CTX)
+def bench_decode(ctx: typer.Context):
+    """benchmarks/decode.py: decode tokens/s."""
+    _bench("decode", ctx.args)
+
+
 @models_app.command("list")
 def models_list():
     """Bundled models and whether their packages are installed."""

@@ -22,6 +22,7 @@ from .errors import EmptyChunkError
 from .generate import (GenerationConfig, GenerationStats, TextDeltas, decode_loop, eos_token_ids,
                        now)
 from .models import LoadedModel, load_model
+from .recovery import parse_recovery
 from .rope import KeyRotator
 from .segment import split_prompt
 from .stitch import POSITION_MODES, Prefill, Segment, plan_prompt, prefill
@@ -74,8 +75,13 @@ class TurboRAGEngine:
         self._keys_lock = threading.Lock()
 
     def warmup(self) -> None:
-        """Run one tiny forward so the first timed call does not pay for lazy initialisation."""
+        """Run a tiny full and a tiny stitched call (nothing is stored), so that the first timed
+        call pays for neither lazy initialisation nor the first cache buffer."""
         self.generate("Hello", config=GenerationConfig(max_new_tokens=2), mode="naive")
+        text = "A short passage used to warm up the stitched path."
+        blob = self.encoder.encode(text)
+        pre = self.prefill([Segment(text, blob), Segment(" Why?")], reserve=2)
+        self.cache_pool.release(pre.cache)
 
     # ---- ingestion --------------------------------------------------------------------------
     @property
@@ -189,33 +195,41 @@ class TurboRAGEngine:
 
     # ---- generation -------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Segment], *, positions: str | None = None,
-                reserve: int = 0) -> Prefill:
+                reserve: int = 0, recovery=None) -> Prefill:
         plan = plan_prompt(segments, self.tokenizer, positions=positions or self.positions,
                            fingerprint=self.fingerprint, context_window=self.context_window)
         room = self.context_window - plan.next_position
         return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room) + 1,
-                       pool=self.cache_pool)
+                       pool=self.cache_pool, recovery=parse_recovery(recovery))
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
-               positions: str | None = None, encode_missing: bool = False) -> GenerationStream:
-        """Generate from `prompt` (a string, or ready segments); iterate for text deltas."""
+               positions: str | None = None, encode_missing: bool = False,
+               recovery=None) -> GenerationStream:
+        """Generate from `prompt` (a string, or ready segments); iterate for text deltas.
+
+        recovery: None, a `recovery.Recovery`, or a spec such as "boundary:16" / "blend:0.15"
+        (see core/recovery.py): recompute some chunk tokens with full context (turbo mode).
+        """
         config = config or GenerationConfig()
         stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, prompt, chunks, config, mode, positions, encode_missing)
+        stream._deltas = self._run(stream, prompt, chunks, config, mode, positions, encode_missing,
+                                   recovery)
         return stream
 
     def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                  config: GenerationConfig | None = None, mode: str = "turbo",
-                 positions: str | None = None, encode_missing: bool = False) -> GenerationResult:
+                 positions: str | None = None, encode_missing: bool = False,
+                 recovery=None) -> GenerationResult:
         stream = self.stream(prompt, chunks=chunks, config=config, mode=mode,
-                             positions=positions, encode_missing=encode_missing)
+                             positions=positions, encode_missing=encode_missing,
+                             recovery=recovery)
         for _ in stream:
             pass
         return stream.result  # type: ignore[return-value]
 
     def _run(self, stream: GenerationStream, prompt, chunks, config: GenerationConfig, mode: str,
-             positions: str | None, encode_missing: bool) -> Iterator[str]:
+             positions: str | None, encode_missing: bool, recovery=None) -> Iterator[str]:
         t0 = now()
         if isinstance(prompt, str):
             segments, hits, misses = self.segments(prompt, chunks, mode=mode,
@@ -224,7 +238,8 @@ class TurboRAGEngine:
             segments = list(prompt) if mode == "turbo" else [Segment("".join(s.text for s in prompt))]
             hits, misses = sum(s.cached for s in segments), 0
         t_loaded = now()
-        pre = self.prefill(segments, positions=positions, reserve=config.max_new_tokens)
+        pre = self.prefill(segments, positions=positions, reserve=config.max_new_tokens,
+                           recovery=recovery)
         plan = pre.plan
         # assembly = finding and loading the blobs + re-rotating and concatenating them
         stats = GenerationStats(
@@ -233,6 +248,9 @@ class TurboRAGEngine:
             prompt_tokens=len(plan.token_ids), reused_tokens=plan.reused_tokens,
             prefilled_tokens=plan.prefilled_tokens, cache_hits=hits, cache_misses=misses)
         stats.extra["positions"] = positions or self.positions
+        if recovery is not None:
+            stats.extra["recovery"] = str(parse_recovery(recovery))
+            stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
         room = self.context_window - plan.next_position
         deltas = TextDeltas(self.tokenizer, config.stop)
         tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,

@@ -1,0 +1,99 @@
+"""The `turborag` command line, end to end on a tiny model saved to disk (a local-folder model)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from turborag_integrations.cli import app
+from tests.conftest import tiny_model
+
+runner = CliRunner()
+DOCS = {
+    "a.md": "# Ships\n\nThe ship Marisol has a blue hull and sails from Velmora every morning.",
+    "b.txt": "The bakery on Quay Street sells fennel bread. It opens at six.",
+    "c.html": "<html><body><h1>Owls</h1><p>Cinder the owl lives in the lobby.</p>"
+              "<script>var x = 1;</script></body></html>",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    loaded = tiny_model("llama")
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def docs(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name, text in DOCS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def run(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def last_json(out: str) -> dict:
+    # stderr progress bars share the captured output; the JSON object is the last "{...}"
+    return json.loads([line[line.find('{"'):] for line in out.splitlines() if '{"' in line][-1])
+
+
+def test_ingest_then_ask_reuses_blobs_and_reruns_skip(tmp_path, docs, model_dir):
+    ws = tmp_path / "ws"
+    code, out = run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64,
+                    "--json")
+    assert code == 0, out
+    counts = last_json(out)
+    assert counts["ingested"] == 3 and counts["chunks"] >= 3
+    code, out = run("ingest", docs, "--store", ws, "--json")
+    assert last_json(out)["skipped"] == 3
+    code, out = run("ask", "Which ship has a blue hull?", "--store", ws, "--json",
+                    "--max-new-tokens", 8, "--compare")
+    assert code == 0, out
+    report = last_json(out)
+    assert report["reused_fraction"] > 0.5 and report["full_prefill_ttft_s"] > 0
+    assert report["sources"] and all(s.endswith((".md", ".txt", ".html")) for s in report["sources"])
+
+
+def test_changed_file_is_reingested(tmp_path, docs, model_dir):
+    ws = tmp_path / "ws"
+    run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64)
+    (docs / "b.txt").write_text("The bakery moved to Harbour Lane and now opens at seven.")
+    code, out = run("ingest", docs, "--store", ws, "--json")
+    counts = last_json(out)
+    assert counts["ingested"] == 1 and counts["skipped"] == 2
+
+
+def test_store_verify_finds_corruption(tmp_path, docs, model_dir):
+    ws = tmp_path / "ws"
+    run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64)
+    assert run("store", "verify", "--store", ws)[0] == 0
+    blob = next((ws / "kv" / "blobs").rglob("*.safetensors"))
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    code, out = run("store", "verify", "--store", ws)
+    assert code == 1 and "checksum" in out
+
+
+def test_clear_errors(tmp_path, docs, model_dir):
+    code, out = run("ask", "anything", "--store", tmp_path / "empty", "--model", model_dir)
+    assert code == 2 and "no documents yet" in out
+    code, out = run("ingest", tmp_path / "missing", "--store", tmp_path / "ws")
+    assert code == 2 and "no such file or folder" in out
+    code, out = run("ingest", docs, "--store", tmp_path / "ws2", "--model", "no-such-model")
+    assert code == 2 and "unknown model" in out
+    code, out = run("models", "prepare", "nope")
+    assert code == 2 and "unknown bundled model" in out
+
+
+def test_models_list():
+    code, out = run("models", "list")
+    assert code == 0 and "smollm2-135m-instruct (default)" in out

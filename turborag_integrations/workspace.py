@@ -1,0 +1,256 @@
+"""A ready-made RAG app over a folder: embedded Chroma for retrieval, the KV store for TurboRAG.
+
+The command line and the example web app are thin shells around this class:
+
+    ws = Workspace()                         # ~/.cache/turborag/workspace (or TURBORAG_WORKSPACE)
+    ws.ingest(["docs/"])                     # chunk, embed, encode KV blobs; reruns skip what's done
+    answer = ws.ask("What is ...?")          # stream(), sources, stats
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .core.chunking import split_text
+from .core.embedding import DEFAULT_EMBEDDING, load_embedder
+from .core.engine import GenerationStream, TurboRAGEngine
+from .core.errors import TurboRAGError
+from .core.generate import GenerationConfig
+from .core.models import DEFAULT_MODEL, cache_dir
+from .core.store import KVStore
+
+TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
+HTML_SUFFIXES = {".html", ".htm"}
+SYSTEM_PROMPT = "Answer the question using only the context. Be brief."
+COLLECTION = "turborag_chunks"
+
+
+class WorkspaceError(TurboRAGError):
+    """A workspace cannot do what was asked (no documents, other model, bad path...)."""
+
+
+def default_workspace() -> Path:
+    env = os.environ.get("TURBORAG_WORKSPACE")
+    return Path(env).expanduser() if env else cache_dir() / "workspace"
+
+
+class _TextOfHTML(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("script", "style"):
+            self._skip += 1
+        elif tag in ("p", "br", "div", "li", "h1", "h2", "h3", "h4", "tr"):
+            self.parts.append("\n\n")
+
+    def handle_endtag(self, tag):
+        if tag in ("script", "style") and self._skip:
+            self._skip -= 1
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.parts.append(data)
+
+
+def read_document(path: Path) -> str:
+    """Text of a .txt/.md/.rst, .html or (with pypdf installed) .pdf file."""
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        return path.read_text(encoding="utf-8", errors="replace")
+    if suffix in HTML_SUFFIXES:
+        parser = _TextOfHTML()
+        parser.feed(path.read_text(encoding="utf-8", errors="replace"))
+        return "".join(parser.parts)
+    if suffix == ".pdf":
+        try:
+            from pypdf import PdfReader
+        except ImportError:
+            raise WorkspaceError(f"{path}: reading PDF needs `pip install pypdf`") from None
+        return "\n\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+    raise WorkspaceError(f"{path}: unsupported file type {suffix!r}")
+
+
+def find_documents(paths: Iterable[str | Path]) -> list[Path]:
+    """Files to ingest under the given files and folders; a bad path is an error."""
+    readable = TEXT_SUFFIXES | HTML_SUFFIXES | {".pdf"}
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise WorkspaceError(f"no such file or folder: {p}")
+        if p.is_dir():
+            found += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in readable
+                            and not any(part.startswith(".") for part in f.parts))
+        else:
+            found.append(p)
+    if not found:
+        raise WorkspaceError("no readable documents (.txt, .md, .rst, .html, .pdf) under "
+                             + ", ".join(map(str, paths)))
+    return found
+
+
+@dataclass
+class Source:
+    path: str
+    text: str
+    score: float
+
+
+@dataclass
+class Answer:
+    """A streamed answer: iterate for text; then `.text`, `.stats`, `.sources`."""
+
+    stream: GenerationStream
+    sources: list[Source]
+    prompt: str
+    chunks: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stream)
+
+    @property
+    def text(self) -> str:
+        return self.stream.result.text if self.stream.result else ""
+
+    @property
+    def stats(self):
+        return self.stream.result.stats if self.stream.result else None
+
+
+class Workspace:
+    """Documents → Chroma (embedded) + KV store, under one folder, for one model."""
+
+    def __init__(self, root: str | Path | None = None, *, model: str | None = None,
+                 chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
+                 embedding: str | None = None):
+        self.root = Path(root).expanduser() if root else default_workspace()
+        self.root.mkdir(parents=True, exist_ok=True)
+        manifest = self._read_manifest()
+        if manifest and model and manifest["model"] != model:
+            raise WorkspaceError(
+                f"workspace {self.root} was built with model {manifest['model']!r}, not "
+                f"{model!r}; use another --store folder, or omit --model")
+        self.model_name = model or (manifest or {}).get("model") or DEFAULT_MODEL
+        self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
+        self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
+        self._engine = engine
+        self._embedder = None
+        self._collection = None
+
+    # ---- lazily built parts -----------------------------------------------------------------
+    @property
+    def engine(self) -> TurboRAGEngine:
+        if self._engine is None:
+            self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.root / "kv"))
+        return self._engine
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            self._embedder = load_embedder(self.embedding_name)
+        return self._embedder
+
+    @property
+    def collection(self):
+        if self._collection is None:
+            import chromadb
+
+            client = chromadb.PersistentClient(path=str(self.root / "chroma"))
+            self._collection = client.get_or_create_collection(
+                COLLECTION, metadata={"hnsw:space": "cosine"})
+        return self._collection
+
+    def _read_manifest(self) -> dict | None:
+        path = self.root / "manifest.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def _write_manifest(self) -> None:
+        data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
+                "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name}
+        tmp = self.root / "manifest.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.root / "manifest.json")
+
+    # ---- ingestion --------------------------------------------------------------------------
+    def ingest(self, paths: Sequence[str | Path],
+               progress: Callable[[str, int, int], None] | None = None) -> dict:
+        """Ingest files and folders. A file whose content is already in is skipped; a changed
+        file replaces its old chunks and blobs. Returns counts."""
+        files = find_documents(paths)
+        manifest = self._read_manifest()
+        if manifest and manifest["fingerprint"] != self.engine.fingerprint.id:
+            raise WorkspaceError(f"workspace {self.root} holds blobs of another model setup "
+                                 f"({manifest['model']}); use another --store folder")
+        self._write_manifest()
+        counts = {"files": len(files), "skipped": 0, "ingested": 0, "chunks": 0}
+        for n, path in enumerate(files, 1):
+            doc_id = str(path.resolve())
+            text = read_document(path)
+            digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            existing = self.collection.get(where={"doc_id": doc_id}, include=["metadatas"])
+            if existing["ids"] and all(m.get("sha") == digest for m in existing["metadatas"]):
+                counts["skipped"] += 1
+                if progress:
+                    progress(str(path), n, len(files))
+                continue
+            if existing["ids"]:  # the file changed: drop its old chunks and blobs
+                self.collection.delete(ids=existing["ids"])
+                self.engine.store.delete_doc(doc_id)
+            chunks = split_text(text, self.engine.tokenizer, self.chunk_tokens)
+            if chunks:
+                # Blobs first, then Chroma: a file counts as done only once both are written,
+                # so an interrupted ingestion redoes it (its blobs are found and skipped).
+                self.engine.encode_chunks(chunks, doc_ids=[doc_id] * len(chunks))
+                vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
+                self.collection.add(
+                    ids=[f"{digest}-{i}" for i in range(len(chunks))], documents=chunks,
+                    embeddings=vectors,
+                    metadatas=[{"doc_id": doc_id, "source": str(path), "sha": digest, "index": i}
+                               for i in range(len(chunks))])
+            counts["ingested"] += 1
+            counts["chunks"] += len(chunks)
+            if progress:
+                progress(str(path), n, len(files))
+        return counts
+
+    # ---- questions --------------------------------------------------------------------------
+    def retrieve(self, question: str, k: int = 4) -> list[Source]:
+        if self.collection.count() == 0:
+            raise WorkspaceError(f"the workspace {self.root} has no documents yet: run "
+                                 "`turborag ingest DIR` first")
+        vector = self.embedder.encode([question], normalize_embeddings=True).tolist()
+        found = self.collection.query(query_embeddings=vector, n_results=min(k, self.collection.count()))
+        return [Source(path=m["source"], text=doc, score=1.0 - dist)
+                for doc, m, dist in zip(found["documents"][0], found["metadatas"][0],
+                                        found["distances"][0])]
+
+    def prompt(self, question: str, sources: Sequence[Source],
+               history: Sequence[dict] = ()) -> str:
+        context = "\n\n".join(s.text for s in sources)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *history,
+                    {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]
+        return self.engine.render_chat(messages)
+
+    def ask(self, question: str, *, k: int = 4, mode: str = "turbo",
+            config: GenerationConfig | None = None, history: Sequence[dict] = ()) -> Answer:
+        if not question.strip():
+            raise WorkspaceError("the question is empty")
+        sources = self.retrieve(question, k)
+        prompt = self.prompt(question, sources, history)
+        chunks = [s.text for s in sources]
+        stream = self.engine.stream(prompt, chunks=chunks, config=config, mode=mode,
+                                    encode_missing=True)
+        return Answer(stream=stream, sources=sources, prompt=prompt, chunks=chunks)
+
+    def full_prefill_ttft(self, answer: Answer) -> float:
+        """TTFT of the same prompt with everything prefilled (the comparison baseline)."""
+        one = GenerationConfig(max_new_tokens=1)
+        return self.engine.generate(answer.prompt, config=one, mode="naive").stats.ttft_s
