@@ -145,13 +145,13 @@ def test_wrong_model_fails_on_retrieval_and_in_the_chat_model(engine, minilm, tm
 
 
 def test_registry_bounds():
-    registry = ChunkRegistry(max_texts=2, min_chars=5)
+    registry = ChunkRegistry(capacity=2, min_chars=5)
     registry.add("foo")  # too short to be worth a lookup
     assert len(registry) == 0
     for text in ("alpha alpha", "bravo bravo", "charlie charlie"):
         registry.add(text)
     assert "alpha alpha" not in registry and len(registry) == 2
-    assert [e.text for e in registry.found_in("x charlie charlie bravo bravo")] == [
+    assert [e.text for e in registry.entries_in("x charlie charlie bravo bravo")] == [
         "charlie charlie", "bravo bravo"]
 
 

@@ -130,7 +130,7 @@ class TurboRAGParams(BaseModel):
             for doc in call.get("chunks") or ():
                 if isinstance(doc, Document):
                     check_metadata(engine, doc.metadata, "a document passed in `chunks`")
-        found = self.get_registry().found_in(prompt)
+        found = self.get_registry().entries_in(prompt)
         if self.check_fingerprint:
             fp = engine.fingerprint.id
             for entry in found:
