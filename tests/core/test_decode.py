@@ -1,0 +1,160 @@
+"""The fast decode path: bit-identical to the stock forward, token-identical to HF generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.conftest import tiny_model
+from turborag_integrations.core.cache import KVCache
+from turborag_integrations.core.decode import FastDecoder, int8_available, stock_step, unsupported_reason
+from turborag_integrations.core.generate import GenerationConfig, decode_loop, step_function
+
+
+def prefill(model, ids, capacity=64):
+    cache = KVCache.empty(model, len(ids) + capacity)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[0, -1]
+
+
+def prompt_ids(tokenizer, text="The lighthouse keeper said that"):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_fast_step_is_bit_identical_to_stock_forward(tiny):
+    model, tok = tiny.model, tiny.tokenizer
+    ids = prompt_ids(tok)
+    a, _ = prefill(model, ids)
+    b, _ = prefill(model, ids)
+    fast = FastDecoder.for_model(model)
+    assert fast is not None
+    with torch.inference_mode():
+        for i, token in enumerate([5, 77, 130, 9]):
+            x = stock_step(model, token, len(ids) + i, a)
+            y = fast(token, len(ids) + i, b)
+            assert torch.equal(x, y)
+    assert a.length == b.length == len(ids) + 4
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def test_fast_step_works_with_a_dynamic_cache(tiny_llama):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    ids = torch.tensor([prompt_ids(tok)])
+    caches = []
+    for _ in range(2):
+        c = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids, cache=c, use_cache=True)
+        caches.append(c)
+    with torch.inference_mode():
+        x = stock_step(model, 42, ids.shape[1], caches[0])
+        y = FastDecoder.for_model(model)(42, ids.shape[1], caches[1])
+    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_greedy_decode_matches_hf_generate(model_type):
+    loaded = tiny_model(model_type, seed=3)
+    model, tok = loaded.model, loaded.tokenizer
+    ids = prompt_ids(tok, "Once upon a time")
+    n = 24
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    cache, logits = prefill(model, ids, n)
+    got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
+    assert got == ref
+
+
+def test_sampling_matches_the_stock_loop_for_a_seed(tiny):
+    model, tok = tiny.model, tiny.tokenizer
+    ids = prompt_ids(tok)
+    config = GenerationConfig(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    runs = []
+    for fast in (True, False):
+        cache, logits = prefill(model, ids)
+        runs.append(list(decode_loop(model, cache, logits, len(ids), config, set(), fast=fast)))
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 20
+
+
+def test_unsupported_models_fall_back_to_the_stock_forward():
+    loaded = tiny_model("llama", attn="eager")
+    model = loaded.model
+    assert unsupported_reason(model) is None  # eager is supported
+    model.train()
+    try:
+        assert "training" in unsupported_reason(model)
+        assert FastDecoder.for_model(model) is None
+        ids = prompt_ids(loaded.tokenizer)
+        cache, logits = prefill(model, ids)
+        # the stock step still decodes
+        out = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=3), set()))
+        assert len(out) == 3
+    finally:
+        model.eval()
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        assert "hooks" in unsupported_reason(model)
+    finally:
+        handle.remove()
+
+
+def test_eager_fast_path_matches_stock():
+    loaded = tiny_model("qwen2", attn="eager")
+    model, ids = loaded.model, prompt_ids(loaded.tokenizer)
+    a, _ = prefill(model, ids)
+    b, _ = prefill(model, ids)
+    with torch.inference_mode():
+        x = stock_step(model, 11, len(ids), a)
+        y = FastDecoder.for_model(model)(11, len(ids), b)
+    torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_quantised_modes_decode_close_to_fp32(tiny_llama, mode):
+    if mode == "int8" and not int8_available():
+        pytest.skip("no int8 dynamic quantisation in this torch build")
+    model, ids = tiny_llama.model, prompt_ids(tiny_llama.tokenizer)
+    a, _ = prefill(model, ids)
+    b, _ = prefill(model, ids)
+    with torch.inference_mode():
+        x = FastDecoder.for_model(model)(5, len(ids), a)
+        y = FastDecoder.for_model(model, mode)(5, len(ids), b)
+    rel = (x - y).norm() / x.norm()
+    assert rel < (0.1 if mode == "int8" else 0.02)
+    # the cache holds full-precision keys/values either way, and grew by one token
+    assert a.length == b.length == len(ids) + 1
+    # the quantised decoder is built once and cached per model and mode
+    assert FastDecoder.for_model(model, mode) is FastDecoder.for_model(model, mode)
+    FastDecoder.forget(model)
+
+
+def test_quantize_is_validated_and_falls_back_when_impossible(tiny_llama, caplog):
+    with pytest.raises(ValueError):
+        GenerationConfig(quantize="int4")
+    model = tiny_llama.model
+    step = step_function(model, "int8", fast=False)  # stock path: no quantisation, a warning
+    assert "full precision" in caplog.text
+    ids = prompt_ids(tiny_llama.tokenizer)
+    cache, _ = prefill(model, ids)
+    with torch.inference_mode():
+        assert step(3, len(ids), cache).shape == (model.config.vocab_size,)
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_matches_hf_generate(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = prompt_ids(tok, text)
+    n = 12
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    cache, logits = prefill(model, ids, n)
+    got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
+    assert got == ref
