@@ -139,3 +139,19 @@ def test_trailing_chunk_is_prefilled(tiny_llama):
     fp, segs = build(tiny_llama, ["Q: ", 0])
     plan = plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
     assert plan.reused_tokens == 0 and plan.prefilled_tokens == len(plan.token_ids)
+
+
+def test_cache_grown_during_a_forward_can_be_reused(tiny_llama):
+    """Storage that grew under inference mode must stay writable when the pool hands it out."""
+    from turborag_integrations.core.cache import CachePool
+
+    pool = CachePool()
+    cache = pool.acquire(tiny_llama.model, capacity=4)
+    with torch.inference_mode():
+        tiny_llama.model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, use_cache=True)
+    assert cache.length == 6
+    pool.release(cache)
+    again = pool.acquire(tiny_llama.model, capacity=6)
+    k, v = again.slot(3)
+    k.zero_()  # outside inference mode: must not raise
+    assert again.length == 3

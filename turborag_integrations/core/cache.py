@@ -35,11 +35,14 @@ class _Storage:
         if total <= self.capacity:
             return
         new_cap = max(total, 2 * self.capacity)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            grown = old.new_empty(old.shape[:3] + (new_cap, old.shape[4]))
-            grown[:, :, :, :keep] = old[:, :, :, :keep]
-            setattr(self, name, grown)
+        # Growth happens mid-forward, under inference mode; tensors made there could not be
+        # written outside it later, and the pool hands storage out again. Make normal ones.
+        with torch.inference_mode(False):
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                grown = old.new_empty(old.shape[:3] + (new_cap, old.shape[4]))
+                grown[:, :, :, :keep] = old[:, :, :, :keep]
+                setattr(self, name, grown)
 
 
 class PreallocatedLayer(CacheLayerMixin):
