@@ -19,7 +19,8 @@ from .generation import shared_engine
 from .llm import TurboRAGLLM
 from .registry import ChunkRegistry, default_registry
 from .vectorstore import KVCachingVectorStore
+from .rapid import RapidChatModel
 
 __all__ = ["KVCachingVectorStore", "TurboRAGChatModel", "TurboRAGLLM", "TurboRAGRunCollector",
            "ChunkRegistry", "default_registry", "SentenceTransformerEmbeddings", "shared_engine",
-           "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL"]
+           "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL", "RapidChatModel"]

@@ -15,6 +15,7 @@ from .nodes import KV_KEY_METADATA, llm_text
 from .postprocessor import KVCachePostprocessor
 from .registry import ChunkRegistry
 from .vector_store import KVCachingVectorStore, chroma_vector_store
+from .rapid import RapidLLM
 
 __all__ = ["TurboRAGLLM", "KVCachingVectorStore", "KVCachePostprocessor", "ChunkRegistry",
-           "chroma_vector_store", "llm_text", "KV_KEY_METADATA", "STATS_KEY", "stats_payload"]
+           "chroma_vector_store", "llm_text", "KV_KEY_METADATA", "STATS_KEY", "stats_payload", "RapidLLM"]

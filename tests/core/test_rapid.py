@@ -1,0 +1,374 @@
+"""RAPID on tiny random models: losslessness at η = 0 (greedy and sampled), cache rollback
+(invariant 5), the augmented distribution's tail rule, the prefix cache, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from turborag_integrations.core.cache import KVCache
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.errors import ContextWindowError
+from turborag_integrations.core.generate import GenerationConfig
+from turborag_integrations.core.models import LoadedModel
+from turborag_integrations.core.rapid import (
+    RapidEngine, Side, Verdict, VocabularyMismatch, accept_drafts, augmented_probs,
+    residual_probs, speculate, target_greedy)
+from turborag_integrations.core.rapid_attention import split_attention, suffix_causal
+from tests.conftest import byte_tokenizer, tiny_model
+
+PARAGRAPHS = [
+    "The Tall Widow lighthouse stands 41 metres high on the cliffs of Velmora.",
+    "The ferry stops running every January, when the harbour freezes over.",
+    "The Orbital Kiln Company fires ceramic tiles in a vacuum furnace.",
+    "Mirrored sunlight heats the furnace to 1600 degrees at noon.",
+    "Glacier expeditions leave from the northern camp at dawn each spring.",
+]
+CONTEXT = "\n\n".join(PARAGRAPHS)
+QUESTION = "How high is the lighthouse?"
+
+
+@pytest.fixture
+def target(tiny, tmp_path):
+    return TurboRAGEngine(tiny, store=tmp_path / "kv", progress=False)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Target and a different drafter (another seed) on one byte vocabulary."""
+    t = TurboRAGEngine(tiny_model("llama", seed=0), store=tmp_path / "kv", progress=False)
+    d = TurboRAGEngine(tiny_model("llama", seed=1), store=tmp_path / "kv", progress=False)
+    return t, d
+
+
+def reference(rapid: RapidEngine, n: int) -> list[int]:
+    prefix, suffix = rapid.render(rapid.target, CONTEXT, QUESTION)
+    return target_greedy(rapid.target, prefix, suffix, n)
+
+
+# ---- invariant 4: lossless at η = 0 ------------------------------------------------------------
+
+@pytest.mark.parametrize("gamma", [1, 4, 10])
+def test_greedy_eta0_equals_target_greedy_other_drafter(pair, gamma):
+    t, d = pair
+    rapid = RapidEngine(t, d, gamma=gamma)
+    out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
+                         config=GenerationConfig(max_new_tokens=40))
+    assert out.token_ids == reference(rapid, 40)[:len(out.token_ids)]
+    assert len(out.token_ids) == len(reference(rapid, 40))
+    assert out.stats.drafted > 0
+
+
+def test_greedy_eta0_self_speculation(target):
+    rapid = RapidEngine(target, gamma=6)
+    out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:2],
+                         config=GenerationConfig(max_new_tokens=48))
+    assert out.token_ids == reference(rapid, 48)
+    s = out.stats
+    assert s.accepted > 0 and 0 < s.acceptance_rate <= 1
+    assert s.drafter_reused_tokens > 0  # chunks came from blobs
+    assert s.target_prefill_s > 0 and s.drafter_prefill_s > 0 and s.ttft_s > 0
+    assert s.mean_accepted == s.accepted / s.rounds
+
+
+def test_empty_retrieval_drafts_from_question_alone(target):
+    rapid = RapidEngine(target, gamma=4)
+    out = rapid.generate(CONTEXT, QUESTION, chunks=[], config=GenerationConfig(max_new_tokens=32))
+    assert out.stats.drafter_chunks == 0
+    assert out.stats.drafter_reused_tokens == 0
+    assert out.token_ids == reference(rapid, 32)
+
+
+def test_own_retrieval_below_threshold_is_empty_and_still_lossless(target):
+    rapid = RapidEngine(target, gamma=4, threshold=1.01)  # cosine never reaches it
+    out = rapid.generate(CONTEXT, QUESTION, config=GenerationConfig(max_new_tokens=16))
+    assert out.stats.drafter_chunks == 0
+    assert out.token_ids == reference(rapid, 16)
+
+
+def test_own_retrieval_budget_and_document_order(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
+    rapid = RapidEngine(engine, chunk_tokens=80, threshold=0.0, compression=2.5)
+    ctx = rapid.drafter_context(CONTEXT, "lighthouse cliffs Velmora furnace")
+    assert ctx.candidates > 1
+    assert 0 < ctx.tokens <= ctx.budget <= sum(len(p.encode()) for p in PARAGRAPHS) / 2.5 + 8
+    positions = [CONTEXT.index(c) for c in ctx.chunks]
+    assert positions == sorted(positions)
+
+
+# ---- the prefix cache ------------------------------------------------------------------------
+
+def test_second_question_reuses_the_target_prefix(target):
+    rapid = RapidEngine(target, gamma=4)
+    config = GenerationConfig(max_new_tokens=24)
+    first = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert not first.stats.target_prefix_hit and first.stats.target_reused_tokens == 0
+    rapid._prefix = None  # force the KV store path, not the in-memory copy
+    second = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert second.stats.target_prefix_hit
+    prefix, _ = rapid.render(target, CONTEXT, QUESTION)
+    assert second.stats.target_reused_tokens == len(target.tokenizer(prefix)["input_ids"])
+    assert second.token_ids == first.token_ids
+    other = rapid.generate(CONTEXT, "When does the ferry stop?", chunks=PARAGRAPHS[1:2],
+                           config=config)
+    assert other.stats.target_prefix_hit  # same document, another question
+
+
+# ---- invariant 5: after any round both caches equal a fresh prefill ---------------------------
+
+def _fresh_target(model, ids: list[int]) -> KVCache:
+    cache = KVCache.empty(model, len(ids) + 1)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache
+
+
+def _assert_cache_equal(a: KVCache, b: KVCache):
+    assert a.length == b.length
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(la.keys, lb.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(la.values, lb.values, atol=1e-4, rtol=0)
+
+
+def test_caches_equal_fresh_prefill_after_every_round(target):
+    engine = target
+    chunks = PARAGRAPHS[:2]
+    engine.encode_chunks(chunks)
+    t_prompt = "\n\n".join(PARAGRAPHS[:3]) + "\n\nQ: " + QUESTION + "\nA:"
+    d_prompt = "\n\n".join(chunks) + "\n\nQ: " + QUESTION + "\nA:"
+    d_segments = engine.segments(d_prompt, chunks)[0]
+    full = partial = 0
+    for temperature in (0.0, 1.0, 3.0):
+        pre_t = engine.prefill(engine.segments(t_prompt)[0], reserve=80)
+        pre_d = engine.prefill(d_segments, reserve=80)
+        assert pre_d.plan.reused_tokens > 0
+        t_ids = list(pre_t.plan.token_ids)
+        tside = Side(engine.model, pre_t.cache, pre_t.logits, pre_t.next_position)
+        dside = Side(engine.model, pre_d.cache, pre_d.logits, pre_d.next_position)
+        config = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=3)
+        accepted: list[int] = []
+        for rnd in speculate(tside, dside, config, gamma=2):
+            accepted += rnd.tokens
+            if rnd.drafted:
+                full += rnd.accepted == rnd.drafted
+                partial += rnd.accepted < rnd.drafted
+            # Target: everything accepted but its pending token.
+            in_t = accepted[:len(accepted) - len(tside.pending)]
+            _assert_cache_equal(tside.cache, _fresh_target(engine.model, t_ids + in_t))
+            assert tside.position == len(t_ids) + len(in_t)
+            # Drafter: a fresh stitched prefill, then the accepted tokens it has seen, at once.
+            in_d = accepted[:len(accepted) - len(dside.pending)]
+            fresh = engine.prefill(d_segments, reserve=80)
+            if in_d:
+                Side(engine.model, fresh.cache, fresh.logits, fresh.next_position).feed(in_d)
+            _assert_cache_equal(dside.cache, fresh.cache)
+            assert dside.position == pre_d.next_position + len(in_d)
+    assert full and partial, (full, partial)  # both rollback shapes were exercised
+
+
+# ---- invariant 4, sampled: the output follows p -------------------------------------------------
+
+def _vocab8_model(seed: int, scale: float = 6.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)  # peaked; a negative scale inverts the preferences
+    return model
+
+
+def _wrong_rule(drafts, target_logits, draft_logits, config, **kwargs) -> Verdict:
+    """The classic mistake: at a rejection, resample from p instead of the residual."""
+    v = accept_drafts(drafts, target_logits, draft_logits, config, **kwargs)
+    if v.accepted < len(drafts):
+        p = target_logits[v.accepted].float().softmax(-1)
+        return Verdict(v.accepted, int(torch.multinomial(p, 1, generator=kwargs["generator"])))
+    return v
+
+
+def _sample_second_tokens(rule, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the 2nd and 3rd generated token over n runs, and their exact laws under p."""
+    # A drafter that disagrees with the target often, so rejections (where a wrong rule shows)
+    # are common.
+    tm, dm = _vocab8_model(0), _vocab8_model(0, scale=-3.0)
+    prompt = [1, 5, 2, 7]
+    caches = []
+    for m in (tm, dm):
+        cache = KVCache.empty(m, 16)
+        with torch.inference_mode():
+            logits = m(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        caches.append((cache, logits))
+    config = GenerationConfig(max_new_tokens=3, temperature=1.0)
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(2, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(n):
+            sides = []
+            for m, (cache, logits) in zip((tm, dm), caches):
+                cache.truncate(len(prompt))  # rollback is all it takes to start again
+                sides.append(Side(m, cache, logits, len(prompt)))
+            out = []
+            for rnd in speculate(*sides, config, gamma=2, generator=gen, accept=rule):
+                out += rnd.tokens
+            counts[0, out[1]] += 1
+            counts[1, out[2]] += 1
+        # Exact laws of tokens 2 and 3 under the target alone.
+        seqs = torch.tensor([prompt + [a, b] for a in range(8) for b in range(8)])
+        with torch.inference_mode():
+            logits = tm(input_ids=seqs).logits.float()
+        p0 = logits[0, len(prompt) - 1].softmax(-1)
+        p1 = logits[::8, len(prompt)].softmax(-1)  # [a, vocab]
+        p2 = logits[:, len(prompt) + 1].softmax(-1).view(8, 8, 8)  # [a, b, vocab]
+        law1 = p0 @ p1
+        law2 = torch.einsum("a,ab,abc->c", p0, p1, p2)
+    finally:
+        torch.set_num_threads(threads)
+    return counts, torch.stack([law1, law2])
+
+
+def test_sampling_eta0_follows_target_distribution_and_wrong_rule_fails():
+    n = 1500
+    counts, law = _sample_second_tokens(accept_drafts, n)
+    for c, l in zip(counts, law):
+        assert chisquare(c.numpy(), (l * n).numpy()).pvalue > 1e-3
+    wrong, _ = _sample_second_tokens(_wrong_rule, n)
+    worst = min(chisquare(c.numpy(), (l * n).numpy()).pvalue for c, l in zip(wrong, law))
+    assert worst < 1e-6
+
+
+def test_acceptance_rule_distribution_on_hand_made_laws():
+    """One drafted token from q, verified against p: the output law is p (η = 0)."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    config = GenerationConfig(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.zeros(4)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+    zt = torch.stack([p.log(), p.log()])
+    for d in drafts.tolist():
+        v = accept_drafts([d], zt, q.log()[None], config, generator=gen)
+        counts[d if v.accepted else v.token] += 1
+    assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
+
+
+# ---- the augmented distribution -----------------------------------------------------------------
+
+def test_augmented_distribution_tail_rule():
+    z = torch.tensor([3.0, 2.5, 1.0, -1.0, -2.0])
+    p = z.softmax(-1)
+    q = torch.tensor([0.05, 0.6, 0.05, 0.25, 0.05])
+    assert augmented_probs(z, p, q, 0.0) is p
+    eta = 2.0
+    raw = torch.softmax(z + eta * (q - p), -1)
+    tail = raw < 0.1 * raw.max()
+    assert tail.any() and (~tail).any()
+    got = augmented_probs(z, p, q, eta)
+    expected = torch.where(tail, p, raw)
+    expected = expected / expected.sum()
+    torch.testing.assert_close(got, expected)
+    # Tail tokens keep p's proportions; the head moves toward the drafter's choice.
+    scale = got[tail] / p[tail]
+    torch.testing.assert_close(scale, scale[:1].expand_as(scale))
+    assert got[1] > p[1]
+    assert abs(float(got.sum()) - 1) < 1e-6
+
+
+def test_residual_reduces_to_standard_at_eta0():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    r = residual_probs(p, augmented_probs(p.log(), p, q, 0.0), q)
+    torch.testing.assert_close(r, torch.tensor([1.0, 0.0, 0.0]))
+    torch.testing.assert_close(residual_probs(p, p, q, "standard"), r)
+
+
+def test_greedy_with_eta_uses_argmax_of_p_hat():
+    # target prefers 0 narrowly; the drafter strongly prefers 1: p̂ at T=1 flips to 1
+    zt = torch.tensor([[1.0, 0.9, -5.0], [0.0, 0.0, 5.0]])
+    zq = torch.tensor([[-5.0, 5.0, -5.0]])
+    config = GenerationConfig()
+    assert accept_drafts([1], zt, zq, config, eta=0.0) == Verdict(0, 0)
+    assert accept_drafts([1], zt, zq, config, eta=3.0) == Verdict(1, 2)
+
+
+# ---- verification attention -------------------------------------------------------------------
+
+def test_split_attention_matches_masked_sdpa():
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 5, 16)
+    k = torch.randn(1, 2, 40, 16)
+    v = torch.randn(1, 2, 40, 16)
+    mask = torch.ones(5, 40, dtype=torch.bool)
+    mask[:, 35:] = torch.ones(5, 5, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(split_attention(q, k, v, None), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_suffix_causal_forward_matches_stock(tiny):
+    model = tiny.model
+    ids = torch.randint(0, 250, (1, 60))
+    outs = []
+    for split in (False, True):
+        cache = KVCache.empty(model, 64)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :49], cache=cache, use_cache=True)
+            with suffix_causal(model, split):
+                outs.append(model(input_ids=ids[:, 49:], position_ids=torch.arange(49, 60)[None],
+                                  cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_vocabulary_mismatch_is_refused(tiny_llama, tmp_path):
+    other_tok = byte_tokenizer()
+    other_tok.add_tokens(["<extra>"])
+    other = LoadedModel(name="other-vocab", model=tiny_model("llama", seed=2).model,
+                        tokenizer=other_tok, source="memory")
+    t = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
+    d = TurboRAGEngine(other, store=tmp_path / "kv", progress=False)
+    with pytest.raises(VocabularyMismatch, match="tiny-llama-0.*other-vocab"):
+        RapidEngine(t, d)
+
+
+def test_context_longer_than_target_window_fails_before_compute(target):
+    rapid = RapidEngine(target)
+    calls = []
+    handle = target.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ContextWindowError, match="context window 2048"):
+            rapid.generate("word " * 600, QUESTION, chunks=[])
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_bad_parameters(target):
+    with pytest.raises(ValueError):
+        RapidEngine(target, gamma=0)
+    with pytest.raises(ValueError):
+        RapidEngine(target, eta=-1)
+    with pytest.raises(ValueError):
+        RapidEngine(target, residual="nope")
+
+
+def test_streaming_and_stop_strings(target):
+    rapid = RapidEngine(target, gamma=4)
+    config = GenerationConfig(max_new_tokens=30)
+    whole = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    stream = rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert "".join(stream) == whole.text
+    assert stream.result.token_ids == whole.token_ids
+    if len(whole.text) > 4:
+        stop = whole.text[2:4]
+        cut = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
+                             config=GenerationConfig(max_new_tokens=30, stop=[stop]))
+        assert stop not in cut.text and cut.stats.finish_reason == "stop"
