@@ -191,13 +191,20 @@ def plain_mask(plan: StitchPlan, dtype: torch.dtype, boolean: bool) -> torch.Ten
 
 
 def prefill(model, plan: StitchPlan, rotator: KeyRotator, *, extra_capacity: int = 256,
-            all_logits: bool = False, pool: CachePool | None = None) -> Prefill:
+            all_logits: bool = False, pool: CachePool | None = None,
+            recovery=None) -> Prefill:
     """Assemble the chunks and prefill the plain tokens in one forward.
 
     all_logits keeps the logits of every plain token ([plain, vocab]) instead of the last one.
+    recovery (a `recovery.Recovery`, optional) first moves some chunk tokens into the plain
+    tokens, to be recomputed with attention to everything before them; the returned plan is the
+    rewritten one.
     """
     rotator.check_length(plan.next_position + extra_capacity)
     device = next(model.parameters()).device
+    t_r = time.perf_counter()
+    if recovery is not None:
+        plan = recovery.apply(model, plan, rotator)
     t0 = time.perf_counter()
     cache = assemble(model, plan, rotator, len(plan.token_ids) + extra_capacity, pool)
     t1 = time.perf_counter()
@@ -212,7 +219,8 @@ def prefill(model, plan: StitchPlan, rotator: KeyRotator, *, extra_capacity: int
     t2 = time.perf_counter()
     logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()
     return Prefill(cache=cache, logits=logits, next_position=plan.next_position,
-                   plan=plan, timings={"assembly_s": t1 - t0, "prefill_s": t2 - t1})
+                   plan=plan, timings={"assembly_s": t1 - t0, "prefill_s": t2 - t1,
+                                       "recovery_s": t0 - t_r})
 
 
 def reference_forward(model, plan: StitchPlan) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Evaluation harness, metrics and the dev-set generator."""
+
+import json
+
+import pytest
+
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.evaluation.devset import generate_devset, make_items
+from turborag_integrations.evaluation.harness import (ModeSpec, evaluate, load_items,
+                                                      markdown_table, write_results)
+from turborag_integrations.evaluation.metrics import contains, exact_match, normalize, token_f1
+from tests.conftest import tiny_model
+
+
+def test_metrics():
+    assert normalize("The  Mayor, Tamsin!") == "mayor tamsin"
+    assert exact_match("Tamsin Ruel.", ["tamsin ruel"]) == 1.0
+    assert contains("It is Tamsin Ruel, of course", ["Tamsin Ruel"]) == 1.0
+    assert contains("Tamsin Ruelle", ["Tamsin Ruel"]) == 0.0  # whole words only
+    assert token_f1("Tamsin Smith", ["Tamsin Ruel"]) == pytest.approx(0.5)
+    assert token_f1("", ["x"]) == 0.0
+
+
+def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
+    a, b = make_items(3, 20), make_items(3, 20)
+    assert a == b and make_items(4, 20) != a
+    for it in a:
+        gold_text = " ".join(it["chunks"][g] for g in it["gold"])
+        assert it["answers"][0] in gold_text
+        assert len(it["gold"]) == it["hops"] and len(it["chunks"]) == 8
+    assert {it["hops"] for it in make_items(3, 60)} == {1, 2}
+    files = generate_devset(tmp_path, train=5, test=3, long=1)
+    train = load_items(files["train"]).items
+    test = load_items(files["test"]).items
+    assert len(train) == 5 and len(test) == 3
+    # train and test come from different worlds: no test chunk appears in train
+    assert not {c for t in test for c in t.chunks} & {c for t in train for c in t.chunks}
+
+
+def test_bundled_devset_is_small_and_valid():
+    from turborag_integrations.evaluation.cli import DEVSET
+    for name in ("train", "test", "test_long"):
+        path = DEVSET / f"{name}.jsonl"
+        rep = load_items(path)
+        assert rep.items and not rep.errors
+    assert sum(p.stat().st_size for p in DEVSET.glob("*.jsonl")) < 2 << 20
+
+
+def test_malformed_lines_are_reported_with_line_numbers(tmp_path):
+    p = tmp_path / "d.jsonl"
+    good = {"id": "a", "question": "Q?", "answers": ["x"], "chunks": ["c"], "extra": 1}
+    p.write_text("\n".join([json.dumps(good), "{oops", json.dumps({"question": "Q"}), "",
+                            json.dumps([1, 2]), json.dumps({**good, "id": "b"})]) + "\n")
+    rep = load_items(p)
+    assert [i.id for i in rep.items] == ["a", "b"]
+    assert [n for n, _ in rep.errors] == [2, 3, 5]
+
+
+def test_mode_spec():
+    s = ModeSpec.parse("ft:turbo-composite+boundary:8")
+    assert (s.finetuned, s.mode, s.positions, s.recovery) == (True, "turbo", "composite", "boundary:8")
+    assert ModeSpec.parse("naive").mode == "naive"
+    for bad in ("fast", "naive+boundary:4", "turbo+nope"):
+        with pytest.raises(ValueError):
+            ModeSpec.parse(bad)
+
+
+def test_evaluate_tiny_model(tmp_path):
+    loaded = tiny_model("llama")
+    engine = TurboRAGEngine(loaded, store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    rows = [{"id": "a", "question": "Who?", "answers": ["Tamsin"], "chunks": ["Tamsin did.", "Orrin not."]},
+            {"id": "b", "question": "When?", "answers": ["1612"], "chunks": ["In 1612.", "Never."]},
+            {"id": "long", "question": "Q?", "answers": ["x"], "chunks": ["y" * 3000]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    items = load_items(p).items
+    modes = ["naive", "turbo", "turbo-composite", "turbo+boundary:4", "turbo+blend:0.5"]
+    res = evaluate(engine, items, modes, max_new_tokens=4)
+    assert [s["id"] for s in res["skipped"]] == ["long"]
+    assert "context window" in res["skipped"][0]["reason"]
+    assert set(res["modes"]) == set(modes)
+    for name, m in res["modes"].items():
+        assert m["n"] == 2 and {"contains", "em", "f1", "ttft_s", "agreement",
+                                "reused_fraction"} <= set(m)
+    assert res["modes"]["naive"]["agreement"] == 100 and res["modes"]["naive"]["reused_fraction"] == 0
+    assert res["modes"]["turbo"]["reused_fraction"] > res["modes"]["turbo+boundary:4"]["reused_fraction"] > 0
+    assert len(res["answers"]) == 2 * len(modes)
+    notes = write_results(res, tmp_path / "out", png=True)
+    assert (tmp_path / "out" / "results.json").exists() and (tmp_path / "out" / "answers.jsonl").exists()
+    assert "| turbo+boundary:4 |" in (tmp_path / "out" / "table.md").read_text()
+    assert (tmp_path / "out" / "plot.png").exists() or "matplotlib" in notes[0]
+    assert markdown_table(res).count("\n") == 2 + len(modes)

@@ -1,0 +1,225 @@
+"""Training-free recovery: recompute a few chunk tokens with attention to everything before them.
+
+A stitched chunk was encoded alone, so its tokens never saw the context before the chunk, and its
+first tokens behave like the start of a sequence (attention sinks) although they sit mid-prompt.
+An untuned model loses accuracy from both. Recovery turns some chunk tokens back into plain
+tokens: they are prefilled with the rest of the plain text, attending causally to every prompt
+token before them (cached chunk tokens included), at their own position. Every other chunk token
+keeps its cached KV. Two ways to choose the tokens:
+
+- `BoundaryRecompute(k)` — the first k tokens of each chunk (the sink tokens).
+- `SelectiveRecompute(ratio, layer)` — CacheBlend-style: run the first `layer` decoder layers
+  over the whole prompt with full causal attention, compare the value vectors the next layer
+  would cache with the stitched ones, and recompute the `ratio` of chunk tokens that deviate most.
+  Costs those few layers over the whole prompt (≈ layer / num_layers of a full prefill) plus the
+  recomputed tokens.
+
+Both only rewrite the `StitchPlan`: a recomputed token moves from a cached span into
+`plain_index`; a span left with a hole is split into runs that hold views of the blob's
+tensors. In a split span, `CachedSpan.position_start` is still the offset the run's keys are
+rotated by (the position of the blob's token 0), so `stitch.assemble` places every kept token
+exactly where it was.
+
+`parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`, `"boundary:8,blend:0.1"` (both)
+or `"none"` gives the object that `prefill(..., recovery=...)` and the engine take.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+import torch
+
+from .blob import KVBlob
+from .stitch import CachedSpan, StitchPlan
+
+
+def _slice_blob(blob: KVBlob, start: int, end: int) -> KVBlob:
+    return KVBlob(token_ids=blob.token_ids[start:end], keys=blob.keys[:, :, start:end],
+                  values=blob.values[:, :, start:end], fingerprint=blob.fingerprint)
+
+
+def recompute_tokens(plan: StitchPlan, indices: Iterable[int]) -> StitchPlan:
+    """A plan in which the cached prompt tokens at `indices` are prefilled instead.
+
+    Indices that are already plain are ignored. Token ids, positions and the next position are
+    unchanged; only which tokens come from blobs changes.
+    """
+    chosen = set(int(i) for i in indices)
+    if not chosen or not plan.spans:
+        return plan
+    spans: list[CachedSpan] = []
+    moved: list[int] = []
+    for span in plan.spans:
+        n = span.blob.num_tokens
+        local = sorted(i - span.prompt_start for i in chosen
+                       if span.prompt_start <= i < span.prompt_start + n)
+        if not local:
+            spans.append(span)
+            continue
+        moved.extend(span.prompt_start + j for j in local)
+        cuts = [-1] + local + [n]
+        for a, b in zip(cuts, cuts[1:]):
+            lo, hi = a + 1, b  # keep run [lo, hi)
+            if hi > lo:
+                spans.append(CachedSpan(_slice_blob(span.blob, lo, hi), span.prompt_start + lo,
+                                        span.position_start))
+    if not moved:
+        return plan
+    plain = sorted(set(plan.plain_index) | set(moved))
+    return replace(plan, spans=spans, plain_index=plain)
+
+
+class Recovery:
+    """Base: choose which cached tokens to recompute. `apply` returns the rewritten plan."""
+
+    name = "none"
+
+    def select(self, model, plan: StitchPlan, rotator) -> list[int]:
+        return []
+
+    def apply(self, model, plan: StitchPlan, rotator) -> StitchPlan:
+        if not plan.spans:
+            return plan
+        return recompute_tokens(plan, self.select(model, plan, rotator))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _chunk_spans(plan: StitchPlan) -> list[CachedSpan]:
+    # The cached prefix (system prompt, template head) at prompt index 0 is exact already: a
+    # token at the start of the prompt has nothing before it to miss.
+    return [s for s in plan.spans if s.prompt_start > 0]
+
+
+@dataclass
+class BoundaryRecompute(Recovery):
+    """Recompute the first k tokens of every chunk."""
+
+    k: int = 16
+
+    def __post_init__(self):
+        if self.k < 0:
+            raise ValueError("boundary recompute needs k ≥ 0 tokens")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"boundary:{self.k}"
+
+    def select(self, model, plan, rotator) -> list[int]:
+        return [s.prompt_start + j for s in _chunk_spans(plan)
+                for j in range(min(self.k, s.blob.num_tokens))]
+
+
+@dataclass
+class SelectiveRecompute(Recovery):
+    """CacheBlend-style: recompute the chunk tokens whose layer-`layer` values deviate most."""
+
+    ratio: float = 0.15
+    layer: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.ratio <= 1:
+            raise ValueError("selective recompute ratio must be in [0, 1]")
+        if self.layer < 1:
+            raise ValueError("selective recompute compares at layer ≥ 1 (layer 0 never deviates)")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"blend:{self.ratio:g}" + (f"@{self.layer}" if self.layer != 1 else "")
+
+    def select(self, model, plan, rotator) -> list[int]:
+        spans = _chunk_spans(plan)
+        cached = sum(s.blob.num_tokens for s in spans)
+        budget = math.ceil(self.ratio * cached)
+        if budget == 0:
+            return []
+        deviation = value_deviation(model, plan, self.layer)
+        index = torch.cat([torch.arange(s.prompt_start, s.prompt_start + s.blob.num_tokens)
+                           for s in spans])
+        top = deviation[index].topk(min(budget, len(index))).indices
+        return index[top].tolist()
+
+
+@dataclass
+class Combined(Recovery):
+    parts: Sequence[Recovery] = ()
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return ",".join(p.name for p in self.parts) or "none"
+
+    def select(self, model, plan, rotator) -> list[int]:
+        out: set[int] = set()
+        for p in self.parts:
+            out.update(p.select(model, plan, rotator))
+        return sorted(out)
+
+
+def _decoder(model):
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise ValueError(f"selective recompute does not know the layout of {type(model).__name__}")
+    return inner
+
+
+def value_deviation(model, plan: StitchPlan, layer: int = 1) -> torch.Tensor:
+    """[prompt] L2 distance between each token's layer-`layer` values under full causal attention
+    and the values the stitched cache holds for it (0 for plain tokens).
+
+    Values carry no RoPE, so cached and recomputed values compare directly at any position.
+    """
+    inner = _decoder(model)
+    layer = min(layer, len(inner.layers) - 1)
+    device = next(model.parameters()).device
+    ids = torch.tensor([plan.token_ids], device=device)
+    pos = torch.tensor([plan.positions], device=device)
+    with torch.inference_mode():
+        h = inner.embed_tokens(ids)
+        position_embeddings = inner.rotary_emb(h, pos)
+        for block in inner.layers[:layer]:
+            out = block(h, attention_mask=None, position_ids=pos,
+                        position_embeddings=position_embeddings, use_cache=False)
+            h = out[0] if isinstance(out, tuple) else out
+        attn = inner.layers[layer].self_attn
+        v = attn.v_proj(inner.layers[layer].input_layernorm(h))[0]  # [prompt, heads * dim]
+    dev = torch.zeros(len(plan.token_ids), device=device)
+    for span in plan.spans:
+        cached = span.blob.values[layer].to(device=device, dtype=v.dtype)  # [heads, n, dim]
+        cached = cached.transpose(0, 1).reshape(cached.shape[1], -1)
+        a, b = span.prompt_start, span.prompt_start + span.blob.num_tokens
+        dev[a:b] = (v[a:b] - cached).float().norm(dim=-1)
+    return dev.cpu()
+
+
+def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
+    """"none" | "boundary[:k]" | "blend[:ratio[@layer]]" | several joined by "," → a Recovery."""
+    if spec is None or isinstance(spec, Recovery):
+        return spec
+    parts: list[Recovery] = []
+    for item in (s.strip() for s in str(spec).split(",")):
+        if not item or item == "none":
+            continue
+        name, _, arg = item.partition(":")
+        try:
+            if name == "boundary":
+                parts.append(BoundaryRecompute(int(arg) if arg else 16))
+            elif name == "blend":
+                ratio, _, layer = arg.partition("@")
+                parts.append(SelectiveRecompute(float(ratio) if ratio else 0.15,
+                                                int(layer) if layer else 1))
+            else:
+                raise ValueError
+        except ValueError as exc:
+            raise ValueError(f"unknown recovery {item!r}: use none, boundary:K, blend:RATIO "
+                             f"(e.g. blend:0.15 or blend:0.15@2), or several joined by ','"
+                             + (f" ({exc})" if str(exc) else "")) from None
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else Combined(parts)
+
+
+RECOVERY_HELP = "none | boundary:K | blend:RATIO[@LAYER] | both joined by ','"

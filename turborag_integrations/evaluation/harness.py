@@ -1,0 +1,246 @@
+"""Evaluate TurboRAG modes on a JSONL RAG set: accuracy, agreement with a full prefill, TTFT.
+
+Input lines: {"id", "question", "answers": [...], "chunks": [texts], "gold": [indices]} (other
+keys are ignored). For each mode every item is answered greedily and scored:
+
+- contains: a normalised answer occurs in the normalised reply (whole words)
+- em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
+- agreement: the reply equals (normalised) the `naive` reply of the base model on that item
+- ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
+  blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
+
+Modes: "naive" (full prefill), "turbo" (stitched, reordered positions), "turbo-composite",
+either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), and every mode of a
+fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from ..core.errors import ContextWindowError
+from ..core.generate import GenerationConfig
+from ..core.recovery import parse_recovery
+from .metrics import normalize, score
+from .prompt import build_prompt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODES = ("naive", "turbo", "turbo-composite", "turbo+boundary:16", "turbo+blend:0.15")
+
+
+@dataclass
+class Item:
+    id: str
+    question: str
+    answers: list[str]
+    chunks: list[str]
+    gold: list[int] = field(default_factory=list)
+    line: int = 0
+
+
+@dataclass
+class LoadReport:
+    items: list[Item]
+    errors: list[tuple[int, str]]  # (line number, reason)
+
+
+def load_items(path: str | Path) -> LoadReport:
+    """Read the JSONL set; malformed lines are reported with their line numbers and skipped."""
+    items, errors = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError("not a JSON object")
+                q, answers, chunks = d.get("question"), d.get("answers"), d.get("chunks")
+                if not isinstance(q, str) or not q.strip():
+                    raise ValueError("'question' must be a non-empty string")
+                if isinstance(answers, str):
+                    answers = [answers]
+                if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
+                    raise ValueError("'answers' must be a non-empty list of strings")
+                if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+                    raise ValueError("'chunks' must be a list of strings")
+                gold = d.get("gold") or []
+                items.append(Item(str(d.get("id", f"line{n}")), q, answers,
+                                  [c for c in chunks if c.strip()], list(gold), n))
+            except (ValueError, TypeError) as exc:
+                errors.append((n, str(exc) if not isinstance(exc, json.JSONDecodeError)
+                               else f"invalid JSON: {exc.msg} (column {exc.colno})"))
+    return LoadReport(items, errors)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    finetuned: bool
+    mode: str  # naive | turbo
+    positions: str  # reordered | composite
+    recovery: str | None
+
+    @classmethod
+    def parse(cls, name: str) -> "ModeSpec":
+        body = name.strip()
+        ft = body.startswith("ft:")
+        if ft:
+            body = body[3:]
+        base, _, rec = body.partition("+")
+        if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
+            raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
+                             "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
+        if base == "naive" and rec:
+            raise ValueError(f"mode {name!r}: recovery applies to turbo modes only")
+        parse_recovery(rec or None)  # validate early
+        return cls(name.strip(), ft, "naive" if base == "naive" else "turbo",
+                   "composite" if base == "turbo-composite" else "reordered", rec or None)
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tokens: int = 24,
+             ft_engine=None, ft_doc_tokens: bool = False,
+             progress: Callable[[str, int, int], None] | None = None,
+             limit: int | None = None) -> dict:
+    """Run every mode over the items; return {"modes": {...}, "answers": [...], "skipped": [...]}."""
+    specs = [ModeSpec.parse(m) for m in modes]
+    if any(s.finetuned for s in specs) and ft_engine is None:
+        raise ValueError("ft: modes need a fine-tuned model (ft_engine)")
+    items = list(items)[:limit] if limit else list(items)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop=("\n",))
+    # Build prompts and check the window once per engine.
+    prepared: dict[bool, dict[str, tuple[str, list[str]]]] = {}
+    skipped: dict[str, str] = {}
+    for ft in sorted({s.finetuned for s in specs}):
+        eng = ft_engine if ft else engine
+        doc = ft_doc_tokens if ft else False
+        table = {}
+        for it in items:
+            prompt, texts = build_prompt(eng.tokenizer, it.question, it.chunks, doc_tokens=doc)
+            n = len(eng.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            if n + max_new_tokens > eng.context_window:
+                skipped[it.id] = (f"prompt of {n} tokens + {max_new_tokens} to generate exceeds "
+                                  f"the context window of {eng.context_window}")
+                continue
+            table[it.id] = (prompt, texts)
+        prepared[ft] = table
+        chunks = sorted({c for p in table.values() for c in p[1]})
+        if chunks and any(s.mode == "turbo" and s.finetuned == ft for s in specs):
+            eng.encode_chunks(chunks)  # ingestion: not part of TTFT
+        eng.warmup()
+    todo = [it for it in items if it.id not in skipped]
+    answers: list[dict] = []
+    per_mode: dict[str, dict] = {}
+    naive_reply: dict[str, str] = {}
+    # naive first, so every other mode can be compared with it
+    for spec in sorted(specs, key=lambda s: (s.name != "naive",)):
+        eng = ft_engine if spec.finetuned else engine
+        rows = []
+        for i, it in enumerate(todo):
+            prompt, texts = prepared[spec.finetuned][it.id]
+            try:
+                res = eng.generate(prompt, chunks=texts if spec.mode == "turbo" else (),
+                                   config=config, mode=spec.mode, positions=spec.positions,
+                                   recovery=spec.recovery)
+            except ContextWindowError as exc:
+                skipped[it.id] = str(exc)
+                continue
+            text = res.text.strip()
+            st = res.stats
+            row = {"id": it.id, "mode": spec.name, "answer": text, "answers": it.answers,
+                   **score(text, it.answers), "ttft_s": st.ttft_s,
+                   "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
+                   "new_tokens": st.new_tokens}
+            if spec.name == "naive":
+                naive_reply[it.id] = normalize(text)
+            if it.id in naive_reply:
+                row["agrees_with_naive"] = float(normalize(text) == naive_reply[it.id])
+            rows.append(row)
+            if progress:
+                progress(spec.name, i + 1, len(todo))
+        answers.extend(rows)
+        n = len(rows) or 1
+        agree = [r["agrees_with_naive"] for r in rows if "agrees_with_naive" in r]
+        per_mode[spec.name] = {
+            "n": len(rows),
+            "contains": 100 * sum(r["contains"] for r in rows) / n,
+            "em": 100 * sum(r["em"] for r in rows) / n,
+            "f1": 100 * sum(r["f1"] for r in rows) / n,
+            "agreement": 100 * sum(agree) / len(agree) if agree else None,
+            "ttft_s": _median([r["ttft_s"] for r in rows]),
+            "reused_fraction": sum(r["reused_tokens"] / r["prompt_tokens"] for r in rows) / n,
+            "prompt_tokens": _median([r["prompt_tokens"] for r in rows]),
+        }
+    naive_ttft = per_mode.get("naive", {}).get("ttft_s")
+    for m in per_mode.values():
+        m["speedup_vs_naive"] = (naive_ttft / m["ttft_s"]) if naive_ttft and m["ttft_s"] else None
+    return {"modes": per_mode, "answers": answers,
+            "skipped": [{"id": k, "reason": v} for k, v in skipped.items()]}
+
+
+def markdown_table(results: dict) -> str:
+    lines = ["| mode | contains % | EM % | F1 % | agreement w/ naive % | median TTFT s | "
+             "TTFT speed-up | reused % |", "|---|---|---|---|---|---|---|---|"]
+    for name, m in results["modes"].items():
+        agree = "—" if m.get("agreement") is None else f"{m['agreement']:.1f}"
+        sp = "—" if m.get("speedup_vs_naive") is None else f"{m['speedup_vs_naive']:.1f}x"
+        lines.append(f"| {name} | {m['contains']:.1f} | {m['em']:.1f} | {m['f1']:.1f} | {agree} | "
+                     f"{m['ttft_s']:.3f} | {sp} | {100 * m['reused_fraction']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str | Path) -> str | None:
+    """Accuracy (contains) against median TTFT per mode. Returns a message when skipped."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plot skipped (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in results["modes"].items():
+        ax.scatter(m["ttft_s"], m["contains"])
+        ax.annotate(name, (m["ttft_s"], m["contains"]), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("median TTFT (s, log)")
+    ax.set_ylabel("answer-contains accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_results(results: dict, out: str | Path, *, table: bool = True,
+                  png: bool = False) -> list[str]:
+    """results.json, answers.jsonl (one line per item and mode), table.md, plot.png."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    summary = {k: v for k, v in results.items() if k != "answers"}
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    with open(out / "answers.jsonl", "w", encoding="utf-8") as f:
+        for row in results["answers"]:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    if table:
+        (out / "table.md").write_text(markdown_table(results))
+    if png:
+        msg = plot(results, out / "plot.png")
+        if msg:
+            notes.append(msg)
+    return notes
+
+
+def temporary_store():
+    """A throwaway KV store folder for one evaluation run."""
+    return tempfile.TemporaryDirectory(prefix="turborag-eval-")
