@@ -97,3 +97,14 @@ def test_clear_errors(tmp_path, docs, model_dir):
 def test_models_list():
     code, out = run("models", "list")
     assert code == 0 and "smollm2-135m-instruct (default)" in out
+
+
+def test_ask_rapid_mode(tmp_path, docs, model_dir):
+    ws = tmp_path / "ws"
+    run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64)
+    code, out = run("ask", "Which ship has a blue hull?", "--store", ws, "--mode", "rapid",
+                    "--json", "--max-new-tokens", 6)
+    assert code == 0, out
+    report = last_json(out)
+    assert report["mode"] == "rapid" and report["target_prompt_tokens"] > 0
+    assert 0.0 <= report["acceptance_rate"] <= 1.0

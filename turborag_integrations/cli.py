@@ -140,6 +140,23 @@ def ingest(
                    f"{counts['skipped']} unchanged, into {ws.root}")
 
 
+def _print_rapid(answer, json_out: bool) -> dict:
+    s = answer.stats
+    report = {"answer": answer.text, "sources": sorted({x.path for x in answer.sources}),
+              "ttft_s": s.ttft_s, "mode": "rapid", "acceptance_rate": s.acceptance_rate,
+              "mean_accepted": s.mean_accepted, "decode_tokens_per_s": s.decode_tokens_per_s,
+              "target_prompt_tokens": s.target_prompt_tokens,
+              "target_reused_tokens": s.target_reused_tokens,
+              "drafter_prompt_tokens": s.drafter_prompt_tokens}
+    if not json_out:
+        typer.echo("\n\nsources: " + ", ".join(report["sources"]))
+        typer.echo(f"TTFT {s.ttft_s * 1000:.0f} ms (rapid); target read {s.target_prompt_tokens} "
+                   f"tokens ({s.target_reused_tokens} from its prefix cache), drafter "
+                   f"{s.drafter_prompt_tokens}; acceptance {s.acceptance_rate:.0%}, "
+                   f"{s.decode_tokens_per_s:.1f} tokens/s")
+    return report
+
+
 def _print_answer(ws, answer, compare: bool, json_out: bool) -> dict:
     stats = answer.stats
     report = {"answer": answer.text, "sources": sorted({s.path for s in answer.sources}),
@@ -163,7 +180,8 @@ def ask(
     question: str = typer.Argument(..., help="the question"),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = typer.Option(None, help="model (default: the one ingested with)"),
-    mode: str = typer.Option("turbo", help="turbo (reuse KV blobs) | naive (full prefill)"),
+    mode: str = typer.Option("turbo", help="turbo (reuse KV blobs) | naive (full prefill) | "
+                             "rapid (whole documents, speculative decoding with a RAG drafter)"),
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     max_new_tokens: int = typer.Option(128),
     compare: bool = typer.Option(False, help="also time a full prefill of the same prompt"),
@@ -175,18 +193,20 @@ def ask(
     from .core.errors import TurboRAGError
     from .core.generate import GenerationConfig
 
-    if mode not in ("turbo", "naive"):
-        _fail(f"--mode must be turbo or naive, not {mode!r}")
+    if mode not in ("turbo", "naive", "rapid"):
+        _fail(f"--mode must be turbo, naive or rapid, not {mode!r}")
     ws = _workspace(store, model)
     try:
         if compare:
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
-        answer = ws.ask(question, k=top_k, mode=mode,
-                        config=GenerationConfig(max_new_tokens=max_new_tokens))
+        config = GenerationConfig(max_new_tokens=max_new_tokens)
+        answer = (ws.ask_rapid(question, k=top_k, config=config) if mode == "rapid"
+                  else ws.ask(question, k=top_k, mode=mode, config=config))
         for delta in answer:
             if not json_out:
                 typer.echo(delta, nl=False)
-        report = _print_answer(ws, answer, compare, json_out)
+        report = (_print_rapid(answer, json_out) if mode == "rapid"
+                  else _print_answer(ws, answer, compare, json_out))
     except TurboRAGError as exc:
         _fail(str(exc))
     if json_out:
@@ -315,6 +335,18 @@ def bench_rapid(ctx: typer.Context):
 def bench_decode(ctx: typer.Context):
     """benchmarks/decode.py: decode tokens/s."""
     _bench("decode", ctx.args)
+
+
+def _register_accuracy_commands() -> None:
+    from .evaluation.cli import eval_command, finetune_command
+
+    app.command("eval", help="Evaluate accuracy and TTFT of naive, turbo and recovery modes on "
+                "a JSONL set (default: the bundled dev test split).")(eval_command)
+    app.command("finetune", help="Fine-tune a model on the independent-attention pattern "
+                "(full or LoRA) and save a folder the engine loads.")(finetune_command)
+
+
+_register_accuracy_commands()
 
 
 @models_app.command("list")

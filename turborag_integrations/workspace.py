@@ -144,6 +144,7 @@ class Workspace:
         self._engine = engine
         self._embedder = None
         self._collection = None
+        self._rapid = None
 
     # ---- lazily built parts -----------------------------------------------------------------
     @property
@@ -249,6 +250,32 @@ class Workspace:
         stream = self.engine.stream(prompt, chunks=chunks, config=config, mode=mode,
                                     encode_missing=True)
         return Answer(stream=stream, sources=sources, prompt=prompt, chunks=chunks)
+
+    def ask_rapid(self, question: str, *, k: int = 4,
+                  config: GenerationConfig | None = None) -> Answer:
+        """RAPID: the model reads the whole documents of the retrieved chunks (as many as fit
+        its window) and verifies drafts from a drafter that reads only the chunks."""
+        from .core.rapid import RapidEngine
+
+        sources = self.retrieve(question, k)
+        config = config or GenerationConfig()
+        budget = self.engine.context_window - config.max_new_tokens - 256
+        docs, used = [], 0
+        for path in dict.fromkeys(s.path for s in sources):  # best-ranked documents first
+            text = read_document(Path(path))
+            n = len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if used + n <= budget:
+                docs.append(text)
+                used += n
+        if not docs:
+            raise WorkspaceError("the retrieved documents do not fit the model's window for "
+                                 "RAPID; use --mode turbo")
+        context = "\n\n".join(docs)
+        if self._rapid is None:
+            self._rapid = RapidEngine(self.engine, embedder=self.embedder)
+        chunks = [s.text for s in sources if s.text in context]
+        stream = self._rapid.stream(context, question, chunks=chunks, config=config)
+        return Answer(stream=stream, sources=sources, prompt=context, chunks=chunks)
 
     def full_prefill_ttft(self, answer: Answer) -> float:
         """TTFT of the same prompt with everything prefilled (the comparison baseline)."""
