@@ -14,7 +14,7 @@ models_app = typer.Typer(no_args_is_help=True, help="Bundled models.")
 app.add_typer(models_app, name="models")
 
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
-DEFAULT_QUESTION = "How high is the Tall Widow lighthouse, and when was it first lit?"
+DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
 SYSTEM = "Answer the question using only the context. Be brief."
 
 
@@ -39,7 +39,7 @@ def demo(
     docs: Path = typer.Option(SAMPLE_DOCS, help="folder of .md/.txt documents"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
-    top_k: int = typer.Option(6, help="chunks to retrieve"),
+    top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
 ):
