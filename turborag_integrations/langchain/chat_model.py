@@ -51,18 +51,6 @@ class TurboRAGChatModel(TurboRAGParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "turborag-chat"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "turborag"
-        params["ls_model_name"] = kwargs.get("model") or self.resolved_model_name
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
-        return params
-
     def render(self, messages: list[BaseMessage]) -> str:
         """The exact prompt text the model sees (chat template applied)."""
         return self.get_engine().render_chat(to_chat(messages))

@@ -164,6 +164,20 @@ class TurboRAGParams(BaseModel):
                 "total_tokens": stats.prompt_tokens + stats.new_tokens,
                 "input_token_details": {"cache_read": stats.reused_tokens}}
 
+    # Shared by the chat model and the text LLM (the mixin comes first in their MRO, so super()
+    # reaches LangChain's own implementation).
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self.identifying()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "turborag"
+        params["ls_model_name"] = kwargs.get("model") or self.resolved_model_name
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
     def identifying(self) -> dict[str, Any]:
         return {"model_name": self.resolved_model_name, "mode": self.mode,
                 "temperature": self.temperature, "max_tokens": self.max_tokens,

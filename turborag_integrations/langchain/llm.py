@@ -24,16 +24,6 @@ class TurboRAGLLM(TurboRAGParams, BaseLLM):
     def _llm_type(self) -> str:
         return "turborag-llm"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self.identifying()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "turborag"
-        params["ls_model_name"] = kwargs.get("model") or self.resolved_model_name
-        return params
-
     def _info(self, stats) -> dict:
         return {"finish_reason": stats.finish_reason, **self.response_metadata(stats),
                 "usage_metadata": self.usage_metadata(stats)}
