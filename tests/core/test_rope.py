@@ -20,7 +20,7 @@ def keys_at(model, ids, offset):
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]),
                     position_ids=torch.arange(offset, offset + len(ids))[None], use_cache=True)
-    return [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+    return [(layer.keys[0], layer.values[0]) for layer in out.cache.layers]
 
 
 @pytest.mark.parametrize("rope", list(ROPES))

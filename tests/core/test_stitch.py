@@ -59,7 +59,7 @@ def test_stitched_cache_equals_reference_cache(tiny_llama):
                                position_ids=torch.tensor([plan.positions]),
                                attention_mask=additive[None, None], use_cache=True)
     order = [i for s, l in spans for i in range(s, s + l)] + plan.plain_index
-    for got, want in zip(stitched.cache.layers, out.past_key_values.layers):
+    for got, want in zip(stitched.cache.layers, out.cache.layers):
         torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
         torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
 

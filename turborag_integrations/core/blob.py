@@ -174,7 +174,7 @@ class ChunkEncoder:
             with torch.inference_mode():
                 out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                                  use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = out.cache
             keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
             values = torch.stack([layer.values for layer in cache.layers], dim=1)
             for row, i in enumerate(batch):
