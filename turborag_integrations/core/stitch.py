@@ -156,14 +156,15 @@ def assemble(model, plan: StitchPlan, rotator: KeyRotator, capacity: int,
              pool: CachePool | None = None) -> KVCache:
     """Write every cached chunk into an empty cache, keys rotated to their positions."""
     cache = pool.acquire(model, capacity) if pool is not None else KVCache.empty(model, capacity)
-    dtype = cache.storage.k.dtype
+    dtype, device = cache.storage.k.dtype, cache.storage.k.device
     for span in plan.spans:
-        keys, values = span.blob.keys, span.blob.values
+        # Blobs may be stored in another dtype (int8 decodes to float) or come from host memory
+        # for a model on an accelerator: cast and move first (no-ops otherwise), so that the
+        # rotation runs where the cache lives.
+        keys = span.blob.keys.to(device=device, dtype=dtype)
         k_slot, v_slot = cache.slot(span.blob.num_tokens)
-        # Blobs may be stored in another dtype (int8 decodes to float); cast on the way in.
-        rotator.rotate(keys if keys.dtype == dtype else keys.to(dtype), span.position_start,
-                       out=k_slot[:, 0])
-        v_slot[:, 0].copy_(values)
+        rotator.rotate(keys, span.position_start, out=k_slot[:, 0])
+        v_slot[:, 0].copy_(span.blob.values)
     return cache
 
 
@@ -232,11 +233,13 @@ def reference_forward(model, plan: StitchPlan) -> torch.Tensor:
     """
     n = len(plan.token_ids)
     mask = independent_attention_mask(n, [(s.prompt_start, s.blob.num_tokens) for s in plan.spans])
-    dtype = next(model.parameters()).dtype
-    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
+        ~mask.to(device), torch.finfo(dtype).min)
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([plan.token_ids]),
-                    position_ids=torch.tensor([plan.positions]),
+        out = model(input_ids=torch.tensor([plan.token_ids], device=device),
+                    position_ids=torch.tensor([plan.positions], device=device),
                     attention_mask=additive[None, None], use_cache=False)
     return out.logits[0].float()
 

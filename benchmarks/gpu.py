@@ -1,0 +1,325 @@
+"""The engine on a CUDA device: exactness checks, TurboRAG TTFT, decode speed and RAPID's bound.
+
+    python benchmarks/gpu.py --json                 # on a machine with a CUDA GPU
+    python benchmarks/gpu.py --device cpu --quick   # the same script, small, as a dry run
+
+Runs without any downloaded weights, so that it works on a machine with no model hub:
+
+1. Exactness on the device (tiny random models, fp32, llama and qwen2): stitched logits against
+   one forward under the independent-attention mask; the fast decode step against the stock
+   forward; RAPID at η = 0 against the target's own greedy output; a KV-store round trip through
+   the accelerator tier.
+2. Speed with random weights in the real architectures (bf16): Qwen2.5-0.5B as the long-context
+   target, Qwen2.5-0.5B (self-speculation) and Qwen2.5-1.5B (upward speculation) as drafters.
+   Timings of these models do not depend on their weights, acceptance does: so RAPID is reported
+   as its cost per round and the throughput that follows for a given acceptance, not as a
+   measured answer-quality figure.
+   - TTFT at --context-tokens: full prefill vs TurboRAG (512-token chunks from the KV store, with
+     and without the accelerator tier);
+   - decode tokens/s at that context: stock forward vs the engine's fast step;
+   - RAPID: target step at the long context, drafter steps at the drafter's context, one
+     (γ + 1)-token verification, hence speedup(α) = (accepted + 1) · t_target /
+     (γ · t_draft + t_verify) with accepted = Σ_{i=1..γ} α^i (independent acceptances).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.conftest import byte_tokenizer, tiny_model  # noqa: E402
+from turborag_integrations.core.cache import KVCache  # noqa: E402
+from turborag_integrations.core.decode import FastDecoder, stock_step  # noqa: E402
+from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
+from turborag_integrations.core.generate import GenerationConfig  # noqa: E402
+from turborag_integrations.core.models import LoadedModel  # noqa: E402
+from turborag_integrations.core.rapid import RapidEngine, Side, target_greedy  # noqa: E402
+from turborag_integrations.core.stitch import Segment  # noqa: E402
+from turborag_integrations.core.stitch import plan_prompt, reference_forward  # noqa: E402
+from turborag_integrations.core.store import KVStore  # noqa: E402
+
+# Published architectures (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
+QWEN = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps=3):
+    """Median seconds of `fn()` over `reps` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def to_device(loaded: LoadedModel, device) -> LoadedModel:
+    loaded.model.to(device)
+    return loaded
+
+
+# ---- 1. exactness ------------------------------------------------------------------------------
+
+def exactness(device, tmp: Path) -> dict:
+    res = {}
+    text = ("The lighthouse at Tall Widow Point is 38 meters high and was built in 1871. "
+            "Its keeper, Odile, repairs clocks in the winter.")
+    other = "The harbour archive holds maps of every reef between the two capes."
+    for kind in ("llama", "qwen2"):
+        loaded = to_device(tiny_model(kind, seed=1), device)
+        engine = TurboRAGEngine(loaded, store=KVStore(tmp / f"kv-{kind}"), progress=False)
+        # (a) stitched logits == one forward under the independent-attention mask
+        segs = [Segment("<s>user\n"), Segment(text, engine.encoder.encode(text)),
+                Segment(other, engine.encoder.encode(other)), Segment(" How high is it?\n")]
+        plan = plan_prompt(segs, engine.tokenizer, positions="reordered")
+        pre = engine.prefill(segs, reserve=4)
+        ref = reference_forward(loaded.model, plan)
+        res[f"{kind}_stitched_max_abs_logit_diff"] = (
+            pre.logits.float().cpu() - ref[-1].cpu()).abs().max().item()
+        engine.cache_pool.release(pre.cache)
+        # (b) fast decode step == stock forward
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        caches = []
+        for _ in range(2):
+            c = KVCache.empty(loaded.model, len(ids) + 8)
+            with torch.inference_mode():
+                loaded.model(input_ids=torch.tensor([ids], device=device), cache=c, use_cache=True)
+            caches.append(c)
+        fast = FastDecoder.for_model(loaded.model)
+        diff = 0.0
+        with torch.inference_mode():
+            for i, tok in enumerate([5, 77, 130, 9]):
+                x = stock_step(loaded.model, tok, len(ids) + i, caches[0])
+                y = fast(tok, len(ids) + i, caches[1])
+                diff = max(diff, (x.float() - y.float()).abs().max().item())
+        res[f"{kind}_fast_step_max_abs_logit_diff"] = diff
+        # (c) RAPID at eta = 0, greedy == the target's own greedy output
+        rapid = RapidEngine(engine, gamma=4)
+        context = " ".join([text, other] * 6)
+        prefix, suffix = rapid.render(engine, context, "How high is the lighthouse?")
+        want = target_greedy(engine, prefix, suffix, 24)
+        got = rapid.generate(context, "How high is the lighthouse?", chunks=[text],
+                             config=GenerationConfig(max_new_tokens=24))
+        res[f"{kind}_rapid_eta0_equals_target_greedy"] = got.token_ids == want
+        # (d) recovery modes and an int8 store run on the device
+        prompt = "<s>user\n" + text + other + " How high is it?\n"
+        for spec in ("boundary:4", "blend:0.2"):
+            out = engine.generate(prompt, chunks=[text, other], recovery=spec,
+                                  config=GenerationConfig(max_new_tokens=4))
+            res[f"{kind}_recovery_{spec}_tokens"] = len(out.token_ids)
+        int8 = TurboRAGEngine(loaded, store=KVStore(tmp / f"kv8-{kind}", storage_dtype="int8"),
+                              progress=False)
+        out = int8.generate(prompt, chunks=[text, other], encode_missing=True,
+                            config=GenerationConfig(max_new_tokens=4))
+        res[f"{kind}_int8_store_tokens"] = len(out.token_ids)
+    # (e) the accelerator tier of the KV store
+    if device.type == "cuda":
+        loaded = to_device(tiny_model("llama", seed=2), device)
+        store = KVStore(tmp / "kv-acc", accelerator_bytes=64 << 20)
+        engine = TurboRAGEngine(loaded, store=store, progress=False)
+        key = engine.encode_chunks([text])[0]
+        a = store.get(key, engine.fingerprint)
+        b = store.get(key, engine.fingerprint)
+        res["accelerator_tier_equal"] = bool(torch.equal(a.keys.cpu(), b.keys.cpu())
+                                             and torch.equal(a.values.cpu(), b.values.cpu()))
+        res["accelerator_tier_device"] = str(b.keys.device)
+        res["store_stats"] = store.stats().as_dict()
+    return res
+
+
+# ---- 2. speed ----------------------------------------------------------------------------------
+
+def random_model(arch: str, device, window: int, layers: int | None = None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = byte_tokenizer()
+    spec = dict(QWEN[arch])
+    if layers:
+        spec["num_hidden_layers"] = layers
+    config = Qwen2Config(vocab_size=151936, max_position_embeddings=max(window, 32768),
+                         rope_theta=1e6, eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device.type == "cuda"
+                                                 else torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    return LoadedModel(name=f"random-{arch}", model=model, tokenizer=tok, source="memory")
+
+
+def words(n_bytes: int, seed: int) -> str:
+    """Byte-tokenizer text of exactly n_bytes tokens (ASCII letters and spaces)."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz     "
+    idx = torch.randint(len(alphabet), (n_bytes,), generator=g).tolist()
+    return "".join(alphabet[i] for i in idx)
+
+
+def prefilled(model, n: int, device, extra: int = 64) -> tuple[KVCache, torch.Tensor]:
+    cache = KVCache.empty(model, n + extra)
+    ids = torch.randint(100, 200, (1, n), device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[0, -1]
+
+
+def step_seconds(model, cache, start, device, fast: bool, steps: int) -> float:
+    decoder = FastDecoder.for_model(model) if fast else None
+    step = decoder if decoder is not None else (lambda t, p, c: stock_step(model, t, p, c))
+
+    def run():
+        with torch.inference_mode():
+            for i in range(steps):
+                logits = step(100 + i, start + i, cache)
+                int(logits.argmax())  # a decode loop reads the token every step
+        cache.truncate(start)
+    return timed(run, device) / steps
+
+
+def speed(device, context: int, chunk: int, gamma: int, drafter_tokens: int, tmp: Path,
+          layers: int | None) -> dict:
+    res = {"context_tokens": context, "chunk_tokens": chunk, "gamma": gamma,
+           "drafter_tokens": drafter_tokens}
+    target = random_model("qwen2.5-0.5b", device, context + 1024, layers)
+    n_chunks = context // chunk
+    chunks = [words(chunk, seed=i) for i in range(n_chunks)]
+    question = " Which chunk mentions the keeper?\n"
+    for acc_bytes, name in ((0, "host"), (8 << 30, "accelerator")):
+        if name == "accelerator" and device.type != "cuda":
+            continue
+        store = KVStore(tmp / f"kv-speed-{name}", accelerator_bytes=acc_bytes,
+                        memory_bytes=4 << 30)
+        engine = TurboRAGEngine(target, store=store, progress=False, batch_size=8)
+        t0 = time.perf_counter()
+        engine.encode_chunks(chunks)
+        sync(device)
+        res[f"encode_s_{name}"] = time.perf_counter() - t0
+        segs_turbo = [Segment("<s>user\n")] + [Segment(c, engine.blob_for(c)) for c in chunks] \
+            + [Segment(question)]
+        segs_full = [Segment("<s>user\n" + "".join(chunks) + question)]
+
+        def turbo():
+            pre = engine.prefill(segs_turbo, reserve=4)
+            int(pre.logits.argmax())
+            engine.cache_pool.release(pre.cache)
+
+        def full():
+            pre = engine.prefill(segs_full, reserve=4)
+            int(pre.logits.argmax())
+            engine.cache_pool.release(pre.cache)
+
+        if name == "host":
+            res["ttft_full_s"] = timed(full, device)
+        # blob_for above already loaded every blob once; a store read per call is what a query does
+        segs_turbo = [Segment("<s>user\n")] + [Segment(c, None) for c in chunks] + [Segment(question)]
+
+        def turbo_from_store():
+            segs = [s if s.blob is not None or s.text in ("<s>user\n", question)
+                    else Segment(s.text, engine.blob_for(s.text)) for s in segs_turbo]
+            pre = engine.prefill(segs, reserve=4)
+            int(pre.logits.argmax())
+            engine.cache_pool.release(pre.cache)
+        res[f"ttft_turbo_s_{name}"] = timed(turbo_from_store, device)
+        res[f"ttft_speedup_{name}"] = res["ttft_full_s"] / res[f"ttft_turbo_s_{name}"]
+        del turbo
+    # decode at the long context: stock forward vs the fast step
+    cache, _ = prefilled(target.model, context, device, extra=gamma + 80)
+    steps = 32
+    res["target_step_s_stock"] = step_seconds(target.model, cache, context, device, False, steps)
+    res["target_step_s_fast"] = step_seconds(target.model, cache, context, device, True, steps)
+    res["decode_tps_stock"] = 1 / res["target_step_s_stock"]
+    res["decode_tps_fast"] = 1 / res["target_step_s_fast"]
+    # one (γ + 1)-token verification at the long context (RAPID's split attention)
+    side = Side(target.model, cache, None, context)
+
+    def verify():
+        side.feed([100] * (gamma + 1), keep=gamma + 1, verify=True)
+        side.rollback(gamma + 1)
+    res["verify_s"] = timed(verify, device)
+    del cache, side
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # drafter steps at the drafter's context
+    t_step = min(res["target_step_s_stock"], res["target_step_s_fast"])
+    for arch in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        drafter = target if arch == "qwen2.5-0.5b" else random_model(arch, device, 8192, layers)
+        dcache, _ = prefilled(drafter.model, drafter_tokens, device, extra=gamma + 80)
+        t_draft = min(step_seconds(drafter.model, dcache, drafter_tokens, device, fast, steps)
+                      for fast in (False, True))
+        res[f"draft_step_s_{arch}"] = t_draft
+        bound = {}
+        for alpha in (0.4, 0.6, 0.8, 1.0):
+            accepted = sum(alpha ** i for i in range(1, gamma + 1))
+            bound[str(alpha)] = (accepted + 1) * t_step / (gamma * t_draft + res["verify_s"])
+        res[f"rapid_speedup_at_acceptance_{arch}"] = bound
+        del dcache
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context-tokens", type=int, default=32768)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--drafter-tokens", type=int, default=4096)
+    ap.add_argument("--gamma", type=int, default=10)
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes (2-layer models, 2K context): a dry run on the CPU")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = torch.device(args.device)
+    if args.quick:
+        args.context_tokens, args.drafter_tokens = 2048, 512
+    result = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    import transformers
+    result["transformers"] = transformers.__version__
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in (("exactness", lambda: exactness(device, Path(tmp))),
+                         ("speed", lambda: speed(device, args.context_tokens, args.chunk_tokens,
+                                                 args.gamma, args.drafter_tokens, Path(tmp),
+                                                 2 if args.quick else None))):
+            t0 = time.perf_counter()
+            try:
+                result[name] = fn()
+            except Exception:
+                result[name] = {"error": traceback.format_exc()}
+            result[name]["wall_s"] = time.perf_counter() - t0
+            print(json.dumps({name: result[name]}, indent=2), file=sys.stderr, flush=True)
+            save()
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
