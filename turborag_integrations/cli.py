@@ -185,6 +185,8 @@ def ask(
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     max_new_tokens: int = typer.Option(128),
     compare: bool = typer.Option(False, help="also time a full prefill of the same prompt"),
+    draft: Optional[str] = typer.Option(None, help="int8 | bf16: quantised drafts verified in "
+                                        "full precision (same answers; faster on some CPUs)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Answer a question over the ingested documents, streaming the answer."""
@@ -199,7 +201,10 @@ def ask(
     try:
         if compare:
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
-        config = GenerationConfig(max_new_tokens=max_new_tokens)
+        try:
+            config = GenerationConfig(max_new_tokens=max_new_tokens, draft=draft)
+        except ValueError as exc:
+            _fail(str(exc))
         answer = (ws.ask_rapid(question, k=top_k, config=config) if mode == "rapid"
                   else ws.ask(question, k=top_k, mode=mode, config=config))
         for delta in answer:

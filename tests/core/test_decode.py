@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.cache import KVCache
-from turborag_integrations.core.decode import FastDecoder, int8_available, stock_step, unsupported_reason
+from turborag_integrations.core.decode import (FastDecoder, gemm, int8_available, stock_step,
+                                               unsupported_reason)
 from turborag_integrations.core.generate import GenerationConfig, decode_loop, step_function
 
 
@@ -28,7 +29,7 @@ def test_fast_step_is_bit_identical_to_stock_forward(tiny):
     ids = prompt_ids(tok)
     a, _ = prefill(model, ids)
     b, _ = prefill(model, ids)
-    fast = FastDecoder.for_model(model)
+    fast = FastDecoder.for_model(model, matmul="linear")  # F.linear: the stock arithmetic
     assert fast is not None
     with torch.inference_mode():
         for i, token in enumerate([5, 77, 130, 9]):
@@ -51,7 +52,7 @@ def test_fast_step_works_with_a_dynamic_cache(tiny_llama):
         caches.append(c)
     with torch.inference_mode():
         x = stock_step(model, 42, ids.shape[1], caches[0])
-        y = FastDecoder.for_model(model)(42, ids.shape[1], caches[1])
+        y = FastDecoder.for_model(model, matmul="linear")(42, ids.shape[1], caches[1])
     assert torch.equal(x, y)
 
 
@@ -158,3 +159,71 @@ def test_real_model_greedy_matches_hf_generate(smollm2):
     cache, logits = prefill(model, ids, n)
     got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
     assert got == ref
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_gemm_equals_linear_up_to_rounding(rows):
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 64), torch.randn(300)
+    x = torch.randn(1, rows, 64)
+    ref = torch.nn.functional.linear(x, w, b)
+    got = gemm(x, w, b)
+    assert got.shape == ref.shape == (1, rows, 300)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gemm_decoder_decodes_like_stock(model_type):
+    """The gemm formulation changes only the summation order: logits within rounding and the
+    same greedy tokens as HF generate."""
+    loaded = tiny_model(model_type, seed=3)
+    model, tok = loaded.model, loaded.tokenizer
+    ids = prompt_ids(tok, "Once upon a time")
+    a, _ = prefill(model, ids)
+    b, _ = prefill(model, ids)
+    fast = FastDecoder.for_model(model, matmul="gemm")
+    assert fast.matmul == "gemm"
+    with torch.inference_mode():
+        for i, token in enumerate([5, 77, 130, 9]):
+            torch.testing.assert_close(fast(token, len(ids) + i, b),
+                                       stock_step(model, token, len(ids) + i, a),
+                                       rtol=1e-5, atol=1e-4)
+    n = 24
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    cache, logits = prefill(model, ids, n)
+    out, token, pos = [], int(logits.argmax()), len(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            out.append(token)
+            token = int(fast(token, pos, cache).argmax())
+            pos += 1
+    assert out == ref
+
+
+def test_matmul_is_validated(tiny_llama, monkeypatch):
+    with pytest.raises(ValueError, match="matmul"):
+        FastDecoder.for_model(tiny_llama.model, matmul="blas")
+    monkeypatch.setenv("TURBORAG_DECODE_MATMUL", "gemm")
+    assert FastDecoder.for_model(tiny_llama.model).matmul == "gemm"
+    assert FastDecoder.for_model(tiny_llama.model, matmul="auto").matmul in ("gemm", "linear")
+
+
+@pytest.mark.parametrize("matmul", ["linear", "gemm"])
+def test_several_tokens_in_one_forward_equal_one_by_one(tiny, matmul):
+    """forward(tokens) (verification) = the same tokens fed one step at a time: logits and the
+    keys/values appended to the cache."""
+    model, ids = tiny.model, prompt_ids(tiny.tokenizer)
+    fast = FastDecoder.for_model(model, matmul=matmul)
+    feed = [5, 77, 130, 9, 41]
+    a, _ = prefill(model, ids)
+    b, _ = prefill(model, ids)
+    with torch.inference_mode():
+        steps = torch.stack([fast(t, len(ids) + i, a) for i, t in enumerate(feed)])
+        together = fast.forward(feed, len(ids), b)
+    torch.testing.assert_close(together, steps, rtol=1e-5, atol=1e-4)
+    assert a.length == b.length == len(ids) + len(feed)
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lb.values, la.values, rtol=1e-5, atol=1e-5)

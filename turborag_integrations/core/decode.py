@@ -6,21 +6,32 @@ and the KV cache; the rest is Python: argument handling, output capture, buildin
 that for a single query is "attend to everything", dataclass outputs. `FastDecoder` runs the same
 step by calling the model's own submodules and functions in the same order (embedding, rotary
 embedding, RMSNorm modules, transformers' `apply_rotary_pos_emb`, the cache's `update`, the
-attention function transformers would pick, `act_fn`), with the Linear layers applied through
-`F.linear` on their own weights. No transformers module is patched: the fast path only reads the
-model, and its fp32 logits are bit-identical to the stock forward's (tested).
+attention function transformers would pick, `act_fn`), with the Linear layers applied to their own
+weights. No transformers module is patched: the fast path only reads the model.
+
+How a Linear layer is applied (`matmul`):
+- "linear": `F.linear`, the stock arithmetic: fp32 logits bit-identical to the stock forward's
+  (tested).
+- "gemm": weight @ xᵀ with the single row duplicated (`gemm`). PyTorch's one-row path reads the
+  weights at about half the bandwidth a two-column matrix product reaches on the CPUs measured,
+  so a step over 4K tokens of context drops from ≈67 ms to ≈43 ms on SmolLM2; logits differ
+  from stock in the last bits (≤1e-5 relative; greedy tokens equal in the tests).
+- "auto" (default): whichever of the two is faster on the model's lm_head, timed once per model.
+`forward(tokens)` feeds several tokens in one pass (verification of drafts): they attend to the
+cache and causally to each other through RAPID's split attention, without a mask.
 
 Optionally the Linear layers (lm_head included; `skip` leaves parts such as "lm_head" in full
 precision) run on reduced-precision copies, built once per model:
 - `quantize="int8"`: torch.ao dynamic quantisation (int8 weights with per-output-channel scales,
   activations quantised per token at run time, fused q/k/v and gate/up projections): ≈4x fewer
-  weight bytes, ≈1.8x faster steps at 4K context on 1 thread. On SmolLM2-135M the greedy answers
-  drift from fp32 (identical on ~25-35% of short RAG prompts, about half the tokens before the
-  first difference): per-token uint8 activations are coarse for a model this small.
-- `quantize="bf16"`: bf16 weights, fp32 in/out: identical answers on 10/12 prompts (12/12 with
-  skip=("lm_head",)), but on the measured CPU no faster than fp32.
+  weight bytes, ≈2x faster steps at 4K context. On SmolLM2-135M the greedy answers drift from
+  fp32 (identical on a minority of short RAG prompts; see benchmarks/decode.py): per-token
+  uint8 activations are coarse for a model this small.
+- `quantize="bf16"`: bf16 weights, fp32 in/out: answers closer to fp32, faster only on CPUs with
+  native bf16.
 The KV cache stays in the model's dtype and attention is unchanged; prefill stays in full
-precision, so only decoded tokens see the reduced-precision weights.
+precision, so only decoded tokens see the reduced-precision weights. To keep full-precision
+answers, use the quantised copy as a drafter instead (core/selfspec.py).
 
 Architectures outside the llama family (llama, mistral, qwen2 without sliding layers), attention
 implementations other than sdpa/eager, models with forward hooks (accelerate offloading) and
@@ -31,13 +42,17 @@ forward.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import warnings
 import weakref
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .rapid_attention import split_attention
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +130,64 @@ def _int8_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None])
 class _Bf16Linear(torch.nn.Module):
     """fp32 in and out, bf16 weights (and inputs) inside: half the weight bytes of fp32."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                 matmul: str = "linear"):
         super().__init__()
         self.weight = torch.cat([w.detach() for w in weights]).to(torch.bfloat16).contiguous()
         has_bias = any(b is not None for b in biases)
         self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
                                for w, b in zip(weights, biases)]) if has_bias else None
+        self.matmul = gemm if matmul == "gemm" else F.linear
 
     def forward(self, x):
-        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        y = self.matmul(x.to(torch.bfloat16), self.weight).float()
         return y if self.bias is None else y + self.bias
+
+
+MATMUL_MODES = ("auto", "linear", "gemm")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows of x, computed as weight @ xᵀ.
+
+    On the CPUs measured, PyTorch's matrix-vector path for one row reads the weights at about
+    half the memory bandwidth that a matrix-matrix product with two columns reaches (whole
+    SmolLM2-135M, 2 threads: 47 ms against 21 ms), so a single row is duplicated into two.
+    Results differ from F.linear in the last bits (another summation order).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        y = torch.mm(weight, rows.expand(2, -1).contiguous().t())[:, :1].t()
+    else:
+        y = torch.mm(weight, rows.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pick_matmul(weight: torch.Tensor) -> str:
+    """"gemm" where it is clearly faster than F.linear for one row on this machine, else
+    "linear"; timed once on the model's largest weight."""
+    import time
+
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.inference_mode():
+        t_linear = best(lambda: F.linear(x, weight))
+        t_gemm = best(lambda: gemm(x, weight))
+    choice = "gemm" if t_gemm < 0.9 * t_linear else "linear"
+    log.debug("decode matmul: %s (linear %.2f ms, gemm %.2f ms)", choice, t_linear * 1e3,
+              t_gemm * 1e3)
+    return choice
 
 
 class _Layer:
@@ -135,9 +198,12 @@ class _Layer:
 class FastDecoder:
     """Runs one-token decode steps of a llama-family model; see the module docstring."""
 
-    def __init__(self, model, quantize: str | None = None, *, skip: tuple[str, ...] = ()):
+    def __init__(self, model, quantize: str | None = None, *, skip: tuple[str, ...] = (),
+                 matmul: str = "auto"):
         if quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, not {quantize!r}")
+        if matmul not in MATMUL_MODES:
+            raise ValueError(f"matmul must be one of {MATMUL_MODES}, not {matmul!r}")
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decoding does not support this model: {reason}")
@@ -149,6 +215,10 @@ class FastDecoder:
                 raise ValueError(f"{quantize} decoding needs a float32 model on CPU")
         self.model = model
         self.quantize = quantize
+        if matmul == "auto":
+            matmul = _pick_matmul(model.lm_head.weight.detach() if quantize != "bf16"
+                                  else model.lm_head.weight.detach().to(torch.bfloat16))
+        self.matmul = matmul
         config = model.config
         inner = model.model
         self.embed = inner.embed_tokens
@@ -174,7 +244,8 @@ class FastDecoder:
             entry.q, entry.k, entry.v, entry.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
             entry.gate, entry.up, entry.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
             entry.qkv = entry.gate_up = None
-            make = _int8_linear if quantize == "int8" else _Bf16Linear
+            make = _int8_linear if quantize == "int8" else \
+                (lambda w, b: _Bf16Linear(w, b, matmul))
             if "qkv" in q8:
                 entry.qkv = make([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                  [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
@@ -193,16 +264,22 @@ class FastDecoder:
             config._attn_implementation, modeling.eager_attention_forward)
         self.lm_head = model.lm_head
         if quantize is not None and "lm_head" not in skip:
-            self.lm_head = (_int8_linear if quantize == "int8" else _Bf16Linear)(
-                [model.lm_head.weight], [model.lm_head.bias])
+            self.lm_head = (_int8_linear([model.lm_head.weight], [model.lm_head.bias])
+                            if quantize == "int8" else
+                            _Bf16Linear([model.lm_head.weight], [model.lm_head.bias], matmul))
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.intermediate = inner.layers[0].mlp.gate_proj.out_features
 
     # ---- construction, cached per model -----------------------------------------------------
     @classmethod
-    def for_model(cls, model, quantize: str | None = None) -> "FastDecoder | None":
-        """The model's decoder (built once per model and mode), or None if it is unsupported.
+    def for_model(cls, model, quantize: str | None = None,
+                  matmul: str | None = None) -> "FastDecoder | None":
+        """The model's decoder (built once per model, mode and matmul), or None if unsupported.
+
+        matmul: "linear" (F.linear: fp32 logits bit-identical to the stock forward), "gemm"
+        (see `gemm`: faster on some CPUs, equal up to rounding) or "auto" (whichever is faster
+        here, timed once); None reads TURBORAG_DECODE_MATMUL, default "auto".
 
         Support is checked on every call (a model put in training mode or given hooks falls back
         to the stock forward). int8 decoders hold quantised copies of the weights taken when first
@@ -210,6 +287,9 @@ class FastDecoder:
         """
         if quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, not {quantize!r}")
+        matmul = matmul or os.environ.get("TURBORAG_DECODE_MATMUL", "auto")
+        if matmul not in MATMUL_MODES:
+            raise ValueError(f"matmul must be one of {MATMUL_MODES}, not {matmul!r}")
         reason = unsupported_reason(model)
         if reason:
             log.debug("stock decoding: %s", reason)
@@ -218,9 +298,9 @@ class FastDecoder:
             per_model = _decoders.get(model)
             if per_model is None:
                 per_model = _decoders[model] = {}
-            decoder = per_model.get(quantize)
+            decoder = per_model.get((quantize, matmul))
             if decoder is None:
-                decoder = per_model[quantize] = cls(model, quantize)
+                decoder = per_model[(quantize, matmul)] = cls(model, quantize, matmul=matmul)
         return decoder
 
     @staticmethod
@@ -229,19 +309,27 @@ class FastDecoder:
         with _lock:
             _decoders.pop(model, None)
 
-    # ---- one step ---------------------------------------------------------------------------
-    @staticmethod
-    def _apply(x, module):
+    # ---- steps ------------------------------------------------------------------------------
+    def _apply(self, x, module):
         if type(module) is torch.nn.Linear:
+            if self.matmul == "gemm":
+                return gemm(x, module.weight, module.bias)
             return F.linear(x, module.weight, module.bias)
-        return module(x)  # an int8 dynamic-quantised Linear
+        return module(x)  # an int8 dynamic-quantised or bf16 Linear
 
-    def hidden(self, token: int, position: int, cache) -> torch.Tensor:
-        """The final-norm hidden state [1, 1, hidden] of `token` at `position`; appends its
-        keys/values to every layer of `cache`."""
+    def hidden(self, tokens: Sequence[int], position: int, cache) -> torch.Tensor:
+        """The final-norm hidden states [1, k, hidden] of `tokens` fed at `position`,
+        `position + 1`, ...; appends their keys/values to every layer of `cache`.
+
+        One token attends to the whole cache through the attention function transformers
+        would pick (no mask, as in a stock decode step). Several tokens attend to the cache and,
+        causally, to each other through RAPID's split attention (core/rapid_attention.py),
+        which needs no mask either.
+        """
         device = self.embed.weight.device
-        ids = torch.tensor([[token]], device=device)
-        position_ids = torch.tensor([[position]], device=device)
+        n = len(tokens)
+        ids = torch.tensor([list(tokens)], device=device)
+        position_ids = torch.arange(position, position + n, device=device)[None]
         h = self.embed(ids)
         cos, sin = self.rotary(h, position_ids)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
@@ -256,13 +344,16 @@ class FastDecoder:
                 q, k, v = L.qkv(x).split(split_qkv, dim=-1)
             else:
                 q, k, v = apply(x, L.q), apply(x, L.k), apply(x, L.v)
-            q = q.view(1, 1, heads, dim).transpose(1, 2)
-            k = k.view(1, 1, kv_heads, dim).transpose(1, 2)
-            v = v.view(1, 1, kv_heads, dim).transpose(1, 2)
+            q = q.view(1, n, heads, dim).transpose(1, 2)
+            k = k.view(1, n, kv_heads, dim).transpose(1, 2)
+            v = v.view(1, n, kv_heads, dim).transpose(1, 2)
             q, k = L.rotary_fn(q, k, cos, sin)
             k, v = cache.update(k, v, L.idx)
-            a, _ = attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)
-            h = residual + apply(a.reshape(1, 1, -1).contiguous(), L.o)
+            if n == 1:
+                a, _ = attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)
+            else:
+                a = split_attention(q, k, v, L.attn.scaling).transpose(1, 2)
+            h = residual + apply(a.reshape(1, n, -1).contiguous(), L.o)
             residual = h
             x = L.ln2(h)
             if L.gate_up is not None:
@@ -274,9 +365,13 @@ class FastDecoder:
 
     def step(self, token: int, position: int, cache) -> torch.Tensor:
         """Logits [vocab] of the next token after feeding `token` at `position`."""
-        return self._apply(self.hidden(token, position, cache), self.lm_head)[0, -1]
+        return self._apply(self.hidden((token,), position, cache), self.lm_head)[0, -1]
 
     __call__ = step
+
+    def forward(self, tokens: Sequence[int], position: int, cache) -> torch.Tensor:
+        """Logits [k, vocab] after each of `tokens` fed from `position` (a verification)."""
+        return self._apply(self.hidden(tokens, position, cache), self.lm_head)[0]
 
 
 def stock_step(model, token: int, position: int, cache) -> torch.Tensor:

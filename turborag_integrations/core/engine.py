@@ -25,6 +25,7 @@ from .models import LoadedModel, load_model
 from .recovery import parse_recovery
 from .rope import KeyRotator
 from .segment import split_prompt
+from .selfspec import DraftStats
 from .stitch import POSITION_MODES, Prefill, Segment, plan_prompt, prefill
 from .store import KVStore
 
@@ -238,8 +239,9 @@ class TurboRAGEngine:
             segments = list(prompt) if mode == "turbo" else [Segment("".join(s.text for s in prompt))]
             hits, misses = sum(s.cached for s in segments), 0
         t_loaded = now()
-        pre = self.prefill(segments, positions=positions, reserve=config.max_new_tokens,
-                           recovery=recovery)
+        # drafts are written past the accepted tokens before verification cuts them off
+        reserve = config.max_new_tokens + (config.draft_tokens + 1 if config.draft else 0)
+        pre = self.prefill(segments, positions=positions, reserve=reserve, recovery=recovery)
         plan = pre.plan
         # assembly = finding and loading the blobs + re-rotating and concatenating them
         stats = GenerationStats(
@@ -253,8 +255,10 @@ class TurboRAGEngine:
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
         room = self.context_window - plan.next_position
         deltas = TextDeltas(self.tokenizer, config.stop)
+        draft_stats = DraftStats() if config.draft else None
         tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
-                             self.eos_ids, max_new_tokens=min(config.max_new_tokens, room))
+                             self.eos_ids, max_new_tokens=min(config.max_new_tokens, room),
+                             draft_stats=draft_stats)
         t_first = None
         finish = "length"
         try:
@@ -285,6 +289,8 @@ class TurboRAGEngine:
             stats.new_tokens = len(deltas.ids)
             stats.decode_s = t_end - t_first if t_first is not None else 0.0
             stats.finish_reason = finish
+            if draft_stats is not None:
+                stats.extra.update(draft_stats.as_dict())
             stream.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids),
                                              stats=stats)
         tail = deltas.flush()

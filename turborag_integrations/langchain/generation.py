@@ -26,7 +26,7 @@ _ENGINES_LOCK = threading.Lock()
 # Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
 _FRAMEWORK_KWARGS = {"stream", "ls_structured_output_format"}
 _CALL_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "mode", "chunks", "model",
-                "encode_missing"}
+                "encode_missing", "quantize", "draft"}
 
 STAT_KEYS = ("ttft_s", "reused_tokens", "prefilled_tokens", "cache_hits", "cache_misses")
 
@@ -70,6 +70,10 @@ class TurboRAGParams(BaseModel):
     top_k: int = 0
     seed: int | None = None
     stop: list[str] | None = None
+    quantize: Literal["int8", "bf16"] | None = None
+    """Decode with quantised weights: faster, answers may drift (see GenerationConfig)."""
+    draft: Literal["int8", "bf16"] | None = None
+    """Quantised drafts verified in full precision: full-precision answers, often faster."""
     streaming: bool = False
     """Stream through `_stream` even when invoked (LangChain's standard flag)."""
     chunks: list[str] = Field(default_factory=list)
@@ -117,7 +121,8 @@ class TurboRAGParams(BaseModel):
             max_new_tokens=call.get("max_tokens", self.max_tokens),
             temperature=call.get("temperature", self.temperature),
             top_p=call.get("top_p", self.top_p), top_k=call.get("top_k", self.top_k),
-            seed=call.get("seed", self.seed), stop=tuple(stops or ()))
+            seed=call.get("seed", self.seed), stop=tuple(stops or ()),
+            quantize=call.get("quantize", self.quantize), draft=call.get("draft", self.draft))
 
     def candidate_chunks(self, engine: TurboRAGEngine, prompt: str, call: dict) -> list[str]:
         """Texts the engine should look for in `prompt`.

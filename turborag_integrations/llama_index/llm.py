@@ -31,7 +31,8 @@ from ..core.stitch import POSITION_MODES
 from .registry import ChunkRegistry
 
 STATS_KEY = "turborag"
-_CONFIG_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_CONFIG_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "quantize",
+                  "draft")
 _ROLES = {MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
           MessageRole.DEVELOPER: "system"}
 
@@ -65,6 +66,10 @@ class TurboRAGLLM(CustomLLM):
     top_k: int = Field(default=0, ge=0)
     seed: Optional[int] = None
     stop: List[str] = Field(default_factory=list)
+    quantize: Optional[str] = Field(default=None, description="decode with 'int8' or 'bf16' "
+                                    "weights: faster, answers may drift (see GenerationConfig)")
+    draft: Optional[str] = Field(default=None, description="'int8' or 'bf16' drafts verified in "
+                                 "full precision: the full-precision answers (GenerationConfig)")
     context_window: Optional[int] = Field(default=None,
                                           description="None: the model's own window")
 
