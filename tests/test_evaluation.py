@@ -90,3 +90,18 @@ def test_evaluate_tiny_model(tmp_path):
     assert "| turbo+boundary:4 |" in (tmp_path / "out" / "table.md").read_text()
     assert (tmp_path / "out" / "plot.png").exists() or "matplotlib" in notes[0]
     assert markdown_table(res).count("\n") == 2 + len(modes)
+
+
+def test_finetuned_modes_agree_with_their_own_naive_reply(tmp_path):
+    """ft: modes are compared with ft:naive, not with the base model's reply."""
+    base = TurboRAGEngine(tiny_model("llama", seed=0), store=tmp_path / "kv")
+    other = TurboRAGEngine(tiny_model("llama", seed=9), store=tmp_path / "kv-ft")
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did.", "Orrin not."]}))
+    res = evaluate(base, load_items(p).items, ["ft:turbo+boundary:100000", "naive", "ft:naive"],
+                   max_new_tokens=6, ft_engine=other)
+    assert res["modes"]["ft:naive"]["agreement"] == 100
+    # recomputing every chunk token is a full prefill: the same reply as ft:naive
+    assert res["modes"]["ft:turbo+boundary:100000"]["agreement"] == 100
+    assert res["modes"]["naive"]["agreement"] == 100

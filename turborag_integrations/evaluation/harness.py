@@ -5,7 +5,8 @@ keys are ignored). For each mode every item is answered greedily and scored:
 
 - contains: a normalised answer occurs in the normalised reply (whole words)
 - em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
-- agreement: the reply equals (normalised) the `naive` reply of the base model on that item
+- agreement: the reply equals (normalised) the `naive` reply of the same model on that item
+  (`ft:naive` for the fine-tuned modes)
 - ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
@@ -142,9 +143,9 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     todo = [it for it in items if it.id not in skipped]
     answers: list[dict] = []
     per_mode: dict[str, dict] = {}
-    naive_reply: dict[str, str] = {}
-    # naive first, so every other mode can be compared with it
-    for spec in sorted(specs, key=lambda s: (s.name != "naive",)):
+    naive_reply: dict[tuple[bool, str], str] = {}
+    # the naive modes first, so every other mode can be compared with its own model's naive reply
+    for spec in sorted(specs, key=lambda s: (s.mode != "naive" or s.recovery is not None,)):
         eng = ft_engine if spec.finetuned else engine
         rows = []
         for i, it in enumerate(todo):
@@ -162,10 +163,11 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                    **score(text, it.answers), "ttft_s": st.ttft_s,
                    "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                    "new_tokens": st.new_tokens}
-            if spec.name == "naive":
-                naive_reply[it.id] = normalize(text)
-            if it.id in naive_reply:
-                row["agrees_with_naive"] = float(normalize(text) == naive_reply[it.id])
+            key = (spec.finetuned, it.id)
+            if spec.mode == "naive" and spec.recovery is None:
+                naive_reply[key] = normalize(text)
+            if key in naive_reply:
+                row["agrees_with_naive"] = float(normalize(text) == naive_reply[key])
             rows.append(row)
             if progress:
                 progress(spec.name, i + 1, len(todo))
