@@ -45,6 +45,7 @@ import xxhash
 from .blob import KVBlob
 from .cache import KVCache
 from .chunking import split_text
+from .decode import FastDecoder
 from .engine import GenerationStream, TurboRAGEngine
 from .errors import ContextWindowError, ModelError
 from .generate import GenerationConfig, TextDeltas, eos_token_ids, now, warp_logits
@@ -169,9 +170,21 @@ class Side:
     logits: torch.Tensor  # next-token logits of the prefill
     position: int
     pending: list[int] = field(default_factory=list)
+    fast: bool = True  # decode.FastDecoder where the model allows it, as the plain decode loop
 
     def feed(self, tokens: Sequence[int], keep: int = 1, verify: bool = False) -> torch.Tensor:
-        """Append `tokens` to the cache; return the logits of the last `keep` of them."""
+        """Append `tokens` to the cache; return the logits of the last `keep` of them.
+
+        verify: several tokens attend through the split attention of core/rapid_attention.py
+        (the fast decoder always does); otherwise through stock SDPA with a mask.
+        """
+        decoder = FastDecoder.for_model(self.model) if self.fast and (
+            verify or len(tokens) == 1) else None
+        if decoder is not None:
+            with torch.inference_mode():
+                logits = decoder.forward(tokens, self.position, self.cache)
+            self.position += len(tokens)
+            return logits[-keep:]
         device = self.cache.storage.k.device
         ids = torch.tensor([list(tokens)], device=device)
         pos = torch.arange(self.position, self.position + len(tokens), device=device)[None]
