@@ -116,6 +116,21 @@ def exactness(device, tmp: Path) -> dict:
                 y = fast(tok, len(ids) + i, caches[1])
                 diff = max(diff, (x.float() - y.float()).abs().max().item())
         res[f"{kind}_fast_step_max_abs_logit_diff"] = diff
+        # several tokens in one pass (verification) == the same tokens one step at a time
+        with torch.inference_mode():
+            c1, c2 = caches
+            c1.truncate(len(ids))
+            c2.truncate(len(ids))
+            steps = torch.stack([fast(t, len(ids) + i, c1) for i, t in enumerate([5, 77, 130])])
+            together = fast.forward([5, 77, 130], len(ids), c2)
+        res[f"{kind}_forward_vs_steps_max_abs_logit_diff"] = (
+            steps.float() - together.float()).abs().max().item()
+        # quantised drafting is CPU-only: on the device it falls back to plain decoding
+        plain = engine.generate(text + " How high?", chunks=[text],
+                                config=GenerationConfig(max_new_tokens=8))
+        drafted = engine.generate(text + " How high?", chunks=[text],
+                                  config=GenerationConfig(max_new_tokens=8, draft="bf16"))
+        res[f"{kind}_draft_fallback_same_tokens"] = plain.token_ids == drafted.token_ids
         # (c) RAPID at eta = 0, greedy == the target's own greedy output
         rapid = RapidEngine(engine, gamma=4)
         context = " ".join([text, other] * 6)

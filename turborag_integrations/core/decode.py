@@ -167,8 +167,12 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def _pick_matmul(weight: torch.Tensor) -> str:
     """"gemm" where it is clearly faster than F.linear for one row on this machine, else
-    "linear"; timed once on the model's largest weight."""
+    "linear"; timed once on the model's largest weight. On accelerators (where the one-row
+    path is not the bottleneck and timing needs synchronisation) always "linear"."""
     import time
+
+    if weight.device.type != "cpu":
+        return "linear"
 
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
 
