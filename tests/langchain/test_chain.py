@@ -117,3 +117,15 @@ def test_text_completion_llm(rag):
     info = result.generations[0][0].generation_info
     assert info["turborag"]["cache_hits"] == 2 and info["turborag"]["reused_tokens"] > 0
     assert "".join(chain.stream(QUESTION))
+
+
+def test_drafted_decoding_gives_the_same_answer(rag):
+    """draft= (quantised drafts, full-precision verification) as a field and per call."""
+    store, llm = rag
+    plain = chain_of(store, llm).invoke(QUESTION).content
+    drafted = chain_of(store, llm.model_copy(update={"draft": "bf16"})).invoke(QUESTION).content
+    assert drafted == plain
+    per_call = chain_of(store, llm.bind(draft="bf16", max_tokens=6)).invoke(QUESTION).content
+    assert per_call == plain
+    with pytest.raises(ValueError, match="draft must be one of"):
+        llm.invoke("Hi", draft="int4")

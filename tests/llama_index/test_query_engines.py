@@ -171,3 +171,15 @@ def test_bad_settings_are_refused(engine):
         TurboRAGLLM(engine, positions="sideways")
     with pytest.raises(TypeError, match="TurboRAGEngine"):
         KVCachePostprocessor(object())
+
+
+def test_drafted_decoding_in_a_query_engine_gives_the_same_answer(index, engine):
+    post = [KVCachePostprocessor(engine)]
+    plain, _ = answer(index.as_query_engine(llm=TurboRAGLLM(engine, max_new_tokens=8),
+                                            node_postprocessors=post))
+    llm = TurboRAGLLM(engine, max_new_tokens=8, draft="bf16")
+    drafted, _ = answer(index.as_query_engine(llm=llm, node_postprocessors=post))
+    assert drafted == plain and len(plain) > 0
+    assert llm.last_result.stats.extra["drafted_tokens"] > 0
+    with pytest.raises(ValueError, match="draft must be one of"):
+        TurboRAGLLM(engine, draft="int4").complete("hi")
