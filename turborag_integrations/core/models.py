@@ -52,10 +52,11 @@ class BundledModel:
             if self.single_file:
                 paths.append(folder / self.single_file)
             else:
-                # Multi-part packages hold one data file each; importing them is cheap, but the
-                # file is what we need, so look for it directly rather than import the module.
-                candidates = [p for p in folder.iterdir() if p.is_file() and not p.suffix == ".py"
-                              and not p.name.startswith("__")]
+                # Multi-part packages hold one data file each, at the top or in a data folder;
+                # the file is what we need, so look for it rather than import the module.
+                candidates = [p for p in sorted(folder.rglob("*"))
+                              if p.is_file() and p.suffix not in (".py", ".pyc", ".typed")
+                              and not p.name.startswith("__") and "__pycache__" not in p.parts]
                 if len(candidates) != 1:
                     raise ModelError(f"package {package!r} does not hold exactly one model part "
                                      f"(found {[p.name for p in candidates]})")
