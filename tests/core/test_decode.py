@@ -24,6 +24,14 @@ def prompt_ids(tokenizer, text="The lighthouse keeper said that"):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def hf_greedy(model, ids, n, pad_token_id):
+    """HF generate's greedy continuation of `ids`: exactly n tokens."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
 def test_fast_step_is_bit_identical_to_stock_forward(tiny):
     model, tok = tiny.model, tiny.tokenizer
     ids = prompt_ids(tok)
@@ -62,9 +70,7 @@ def test_greedy_decode_matches_hf_generate(model_type):
     model, tok = loaded.model, loaded.tokenizer
     ids = prompt_ids(tok, "Once upon a time")
     n = 24
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    ref = hf_greedy(model, ids, n, tok.pad_token_id)
     cache, logits = prefill(model, ids, n)
     got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
     assert got == ref
@@ -153,9 +159,7 @@ def test_real_model_greedy_matches_hf_generate(smollm2):
                                    tokenize=False, add_generation_prompt=True)
     ids = prompt_ids(tok, text)
     n = 12
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    ref = hf_greedy(model, ids, n, tok.eos_token_id)
     cache, logits = prefill(model, ids, n)
     got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
     assert got == ref
@@ -189,9 +193,7 @@ def test_gemm_decoder_decodes_like_stock(model_type):
                                        stock_step(model, token, len(ids) + i, a),
                                        rtol=1e-5, atol=1e-4)
     n = 24
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    ref = hf_greedy(model, ids, n, tok.pad_token_id)
     cache, logits = prefill(model, ids, n)
     out, token, pos = [], int(logits.argmax()), len(ids)
     with torch.inference_mode():

@@ -172,14 +172,17 @@ class Side:
     pending: list[int] = field(default_factory=list)
     fast: bool = True  # decode.FastDecoder where the model allows it, as the plain decode loop
 
+    def __post_init__(self):
+        # looked up once per generation, not per fed token (the support check walks the model)
+        self._decoder = FastDecoder.for_model(self.model) if self.fast else None
+
     def feed(self, tokens: Sequence[int], keep: int = 1, verify: bool = False) -> torch.Tensor:
         """Append `tokens` to the cache; return the logits of the last `keep` of them.
 
         verify: several tokens attend through the split attention of core/rapid_attention.py
         (the fast decoder always does); otherwise through stock SDPA with a mask.
         """
-        decoder = FastDecoder.for_model(self.model) if self.fast and (
-            verify or len(tokens) == 1) else None
+        decoder = self._decoder if verify or len(tokens) == 1 else None
         if decoder is not None:
             with torch.inference_mode():
                 logits = decoder.forward(tokens, self.position, self.cache)

@@ -46,6 +46,14 @@ def stats_payload(result: GenerationResult) -> dict:
             "new_tokens": s.new_tokens, "finish_reason": s.finish_reason, "mode": s.mode}
 
 
+def config_from(llm: Any, kwargs: dict, names: Sequence[str]) -> GenerationConfig:
+    """A GenerationConfig from the LLM's fields `names`, overridden by per-call kwargs."""
+    values = {name: kwargs.get(name, getattr(llm, name)) for name in names}
+    if "max_tokens" in kwargs:  # the OpenAI-style name some callers use
+        values["max_new_tokens"] = kwargs["max_tokens"]
+    return GenerationConfig(**values)
+
+
 class TurboRAGLLM(CustomLLM):
     """A local causal LM served by a TurboRAGEngine.
 
@@ -155,10 +163,7 @@ class TurboRAGLLM(CustomLLM):
         return self.chat_prompt(messages)
 
     def _config(self, kwargs: dict) -> GenerationConfig:
-        values = {name: kwargs.get(name, getattr(self, name)) for name in _CONFIG_KWARGS}
-        if "max_tokens" in kwargs:  # the OpenAI-style name some callers use
-            values["max_new_tokens"] = kwargs["max_tokens"]
-        return GenerationConfig(**values)
+        return config_from(self, kwargs, _CONFIG_KWARGS)
 
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, prompt: str, **kwargs: Any) -> Iterator[CompletionResponse]:

@@ -24,8 +24,10 @@ from llama_index.core.llms.custom import CustomLLM
 
 from ..core.generate import GenerationConfig
 from ..core.rapid import RapidEngine, RapidResult, split_question
+from .llm import config_from
 
 STATS_KEY = "rapid"
+_CONFIG_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 def _texts(chunks: Any) -> list[str]:
@@ -76,11 +78,7 @@ class RapidLLM(CustomLLM):
                            model_name=self._rapid.target.loaded.name, is_chat_model=False)
 
     def _config(self, kwargs: dict) -> GenerationConfig:
-        names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-        values = {n: kwargs.get(n, getattr(self, n)) for n in names}
-        if "max_tokens" in kwargs:
-            values["max_new_tokens"] = kwargs["max_tokens"]
-        return GenerationConfig(**values)
+        return config_from(self, kwargs, _CONFIG_KWARGS)
 
     def _drafter_chunks(self, context: str, question: str, kwargs: dict) -> Optional[list[str]]:
         if kwargs.get("chunks") is not None:
