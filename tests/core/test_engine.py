@@ -16,13 +16,21 @@ def engine(tiny, tmp_path):
     return TurboRAGEngine(tiny, store=tmp_path / "kv")
 
 
-def test_single_chunk_greedy_equals_full_prefill(engine):
+@pytest.mark.parametrize("anchor", ["none", "chat", "bos"])
+def test_single_chunk_greedy_equals_full_prefill(tiny, tmp_path, anchor):
+    """A chunk placed right after the text it was encoded after is exactly a full prefill: at
+    the very start of the prompt without an anchor, right after the anchor text with one."""
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", anchor=anchor)
     engine.encode_chunks(CHUNKS[:1])
-    prompt = CHUNKS[0] + "\nQ: where?\nA:"
+    prompt = engine.anchor_text + CHUNKS[0] + "\nQ: where?\nA:"
     config = GenerationConfig(max_new_tokens=24)
     turbo = engine.generate(prompt, chunks=CHUNKS[:1], config=config)
     naive = engine.generate(prompt, chunks=CHUNKS[:1], config=config, mode="naive")
-    assert turbo.stats.reused_tokens == len(CHUNKS[0].encode())  # byte tokenizer
+    assert bool(engine.anchor_text) == (anchor != "none")
+    # the anchor text is the prompt's head here: it is cached too (as a plain prefix blob)
+    head = len(engine.tokenizer(engine.anchor_text, add_special_tokens=False)["input_ids"]) \
+        if engine.anchor_text else 0
+    assert turbo.stats.reused_tokens == head + len(CHUNKS[0].encode())  # byte tokenizer
     assert naive.stats.reused_tokens == 0
     assert turbo.token_ids == naive.token_ids
     assert len(turbo.token_ids) > 0

@@ -16,9 +16,13 @@ CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
           "The river Xan flows north to the sea."]
 
 
-def build(loaded, layout):
+ANCHOR = "<s>system\nYou are a helpful assistant.</s>\n<s>user\n"
+
+
+def build(loaded, layout, anchor: str = ""):
     fp = fingerprint_model(loaded.model, loaded.tokenizer, loaded.name)
-    enc = ChunkEncoder(loaded.model, loaded.tokenizer, fp, batch_size=2)
+    ids = loaded.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
+    enc = ChunkEncoder(loaded.model, loaded.tokenizer, fp, batch_size=2, anchor_ids=ids)
     blobs = enc.encode_many(CHUNKS)
     segs = [Segment(CHUNKS[x], blobs[x]) if isinstance(x, int) else Segment(x) for x in layout]
     return fp, segs
@@ -32,13 +36,17 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("anchor", ["", ANCHOR, "<s>"])
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stitched_logits_equal_independent_attention_forward(tiny, layout, positions):
-    fp, segs = build(tiny, LAYOUTS[layout])
+def test_stitched_logits_equal_independent_attention_forward(tiny, layout, positions, anchor):
+    """Invariant 2, for every chunk encoding: each chunk sees only itself (and the anchor it was
+    encoded after, which nothing else sees); every other token sees all before it."""
+    fp, segs = build(tiny, LAYOUTS[layout], anchor)
     plan = plan_prompt(segs, tiny.tokenizer, positions=positions, fingerprint=fp)
     stitched = prefill(tiny.model, plan, KeyRotator.for_model(tiny.model), all_logits=True)
-    reference = reference_forward(tiny.model, plan)[plan.plain_index]
+    anchor_ids = tiny.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
+    reference = reference_forward(tiny.model, plan, anchor_ids)[plan.plain_index]
     torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
     used = [CHUNKS[x] for x in LAYOUTS[layout] if isinstance(x, int)]
     assert plan.reused_tokens == sum(len(tiny.tokenizer(c, add_special_tokens=False)["input_ids"])
@@ -62,6 +70,45 @@ def test_stitched_cache_equals_reference_cache(tiny_llama):
     for got, want in zip(stitched.cache.layers, out.cache.layers):
         torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
         torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
+
+
+def test_chunk_right_after_its_anchor_equals_a_full_prefill(tiny):
+    """A prompt whose head is the anchor text, followed by one chunk: the chunk's cached KV is
+    exactly what a full forward computes there, so the logits equal an ordinary causal forward."""
+    fp, segs = build(tiny, [ANCHOR, 0, "\nQ: where was Alice born?\nA:"], ANCHOR)
+    plan = plan_prompt(segs, tiny.tokenizer, fingerprint=fp)
+    assert plan.spans[0].blob.base_position == plan.spans[0].prompt_start  # rotated by 0
+    stitched = prefill(tiny.model, plan, KeyRotator.for_model(tiny.model), all_logits=True)
+    with torch.inference_mode():
+        full = tiny.model(input_ids=torch.tensor([plan.token_ids])).logits[0].float()
+    torch.testing.assert_close(stitched.logits, full[plan.plain_index], atol=1e-4, rtol=0)
+
+
+def test_anchor_is_part_of_key_and_fingerprint(tiny_llama):
+    """Blobs made after different anchors (or none) never share a key or a fingerprint id, but
+    they come from one model setup, so a prompt may mix them (plain prefix + anchored chunks)."""
+    fp = fingerprint_model(tiny_llama.model, tiny_llama.tokenizer, tiny_llama.name)
+    tok = tiny_llama.tokenizer
+    blobs = [ChunkEncoder(tiny_llama.model, tok, fp, anchor_ids=tok(a, add_special_tokens=False)
+                          ["input_ids"] if a else []).encode(CHUNKS[0])
+             for a in ("", "<s>", ANCHOR)]
+    assert len({b.key for b in blobs}) == 3
+    assert len({b.fingerprint.id for b in blobs}) == 3
+    assert len({b.fingerprint.model_id for b in blobs}) == 1
+    assert [b.base_position for b in blobs] == [0, 1, len(tok(ANCHOR, add_special_tokens=False)
+                                                           ["input_ids"])]
+    blobs[0].fingerprint.check_matches(blobs[2].fingerprint)  # same model: no error
+
+
+def test_merged_fine_tune_gets_another_fingerprint(tiny_llama):
+    """A change confined to one projection (as a merged LoRA is) changes the fingerprint."""
+    fp = fingerprint_model(tiny_llama.model, tiny_llama.tokenizer, "m")
+    with torch.no_grad():
+        tiny_llama.model.model.layers[0].self_attn.q_proj.weight[0, 0] += 1e-3
+    tuned = fingerprint_model(tiny_llama.model, tiny_llama.tokenizer, "m")
+    assert tuned.weights != fp.weights
+    with pytest.raises(FingerprintMismatch, match="weights"):
+        fp.check_matches(tuned)
 
 
 def test_independent_attention_mask_shape():

@@ -1,21 +1,31 @@
-"""KV blobs: one chunk's keys and values, computed alone at positions 0..n−1.
+"""KV blobs: one chunk's keys and values, computed alone (optionally after a fixed anchor).
 
 A blob is only valid for the exact model weights, tokenizer and dtype that made it (invariant 3),
-so every blob carries a fingerprint of all three plus the format version, and every use checks it.
+and for the way it was encoded (invariant 7): every blob carries a fingerprint of all of these
+plus the format version, and every use checks it.
+
+Anchored encoding: a chunk encoded alone at positions 0..n−1 treats its first token as the start
+of a sequence, and the model parks attention there (an attention sink) although at query time the
+chunk sits mid-prompt. Encoding it after a fixed anchor text (for example a generic chat-template
+head) and keeping only the chunk's own keys and values — positions a..a+n−1, a = anchor length —
+gives the chunk the mid-sequence statistics it will have at query time. The anchor's KV is
+discarded; `KVBlob.base_position` records a, so re-rotation moves the keys by (target − a).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
+import xxhash
 
 from .errors import EmptyChunkError, FingerprintMismatch
 
 FORMAT_VERSION = 1
+PLAIN = "plain"
 
 # Keys that describe where or how a config was saved rather than what the model computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "architectures", "dtype",
@@ -40,25 +50,50 @@ class Fingerprint:
     tokenizer: str  # hash of vocabulary and special tokens
     dtype: str
     format: int = FORMAT_VERSION
+    # How the blob's tokens were encoded: "plain" (alone at 0..n−1) or "anchor:<digest>" (after
+    # that anchor's tokens). Blobs of different encodings never share a key.
+    encoding: str = PLAIN
+
+    @property
+    def model_id(self) -> str:
+        """The identity of the model setup alone: weights, tokenizer, dtype and format."""
+        return _digest(f"{self.config}|{self.weights}|{self.tokenizer}|{self.dtype}|{self.format}")
 
     @property
     def id(self) -> str:
-        """The compared identity: everything but the display name."""
-        return _digest(f"{self.config}|{self.weights}|{self.tokenizer}|{self.dtype}|{self.format}")
+        """The compared identity: the model setup and the encoding, not the display name."""
+        return _digest(f"{self.model_id}|{self.encoding}")
+
+    def with_encoding(self, encoding: str) -> "Fingerprint":
+        return replace(self, encoding=encoding)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Fingerprint":
-        return cls(**json.loads(text))
+        """Parse a stored fingerprint; raises ValueError (never TypeError) when it is not one."""
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"unreadable fingerprint: {exc}") from None
+        known = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not {"config", "weights", "tokenizer", "dtype"} <= set(data):
+            raise ValueError("fingerprint lacks config/weights/tokenizer/dtype")
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"fingerprint has unknown fields {sorted(unknown)} (a newer format?)")
+        return cls(**data)
 
     def describe(self) -> str:
         return (f"model={self.model} config={self.config[:8]} weights={self.weights[:8]} "
-                f"tokenizer={self.tokenizer[:8]} dtype={self.dtype} format={self.format}")
+                f"tokenizer={self.tokenizer[:8]} dtype={self.dtype} format={self.format} "
+                f"encoding={self.encoding}")
 
     def check_matches(self, other: "Fingerprint", what: str = "KV blob") -> None:
-        if self.id != other.id:
+        """Raise FingerprintMismatch unless `other` was made by this model setup (any encoding:
+        a prompt legitimately mixes plain prefix blobs with anchored chunk blobs)."""
+        if self.model_id != other.model_id:
             differing = [f for f in ("config", "weights", "tokenizer", "dtype", "format")
                          if getattr(self, f) != getattr(other, f)]
             raise FingerprintMismatch(
@@ -68,23 +103,32 @@ class Fingerprint:
             )
 
 
+def weights_digest(model) -> str:
+    """A digest of every parameter and buffer the model computes with.
+
+    All of them: a LoRA merged into the attention and MLP projections changes nothing else, so
+    any sample of tensors could miss it (and share the base model's blobs). xxh3 reads memory at
+    several GB/s, so the 540 MB of SmolLM2 cost about 0.1 s.
+    """
+    h = xxhash.xxh3_128()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def fingerprint_model(model, tokenizer, name: str) -> Fingerprint:
     config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     config_hash = _digest(json.dumps(config, sort_keys=True, default=str))
-    # Hashing all weights would cost seconds on load; a few whole tensors from both ends of the
-    # network tell any two trainings of one architecture apart.
-    params = dict(model.named_parameters())
-    names = sorted(params)
-    sample = [names[0], names[len(names) // 2], names[-1]]
-    weights = hashlib.blake2b(digest_size=16)
-    for n in sample:
-        weights.update(n.encode())
-        weights.update(params[n].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     vocab = sorted(tokenizer.get_vocab().items())
     specials = sorted(map(str, getattr(tokenizer, "all_special_tokens", [])))
     tok_hash = _digest(json.dumps([type(tokenizer).__name__, vocab, specials]))
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return Fingerprint(model=name, config=config_hash, weights=weights.hexdigest(),
+    return Fingerprint(model=name, config=config_hash, weights=weights_digest(model),
                        tokenizer=tok_hash, dtype=dtype)
 
 
@@ -102,6 +146,9 @@ class KVBlob:
     keys: torch.Tensor
     values: torch.Tensor
     fingerprint: Fingerprint
+    # RoPE position the chunk's first token was encoded at: 0 alone, the anchor's length after
+    # an anchor. Stitching rotates the keys by (position in the prompt − base_position).
+    base_position: int = 0
 
     def __post_init__(self):
         n = self.token_ids.shape[0]
@@ -125,16 +172,34 @@ class KVBlob:
 ProgressFn = Callable[[int, int], None]  # (done, total)
 
 
+def anchor_encoding(anchor_ids: Sequence[int]) -> str:
+    """The fingerprint encoding of blobs made after `anchor_ids` ("plain" without an anchor)."""
+    if not anchor_ids:
+        return PLAIN
+    ids = torch.as_tensor(list(anchor_ids), dtype=torch.int64).numpy().tobytes()
+    return f"anchor:{len(anchor_ids)}:{_digest(ids, size=8)}"
+
+
 class ChunkEncoder:
-    """Encodes chunks of text into KV blobs with the stock model, in batches."""
+    """Encodes chunks of text into KV blobs with the stock model, in batches.
+
+    With `anchor_ids`, every chunk is encoded right after those tokens and keeps only its own
+    keys and values (see the module docstring); the blobs' fingerprint records the anchor.
+    """
 
     def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
-                 max_chunk_tokens: int | None = None):
+                 max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = ()):
         self.model = model
         self.tokenizer = tokenizer
-        self.fingerprint = fingerprint
+        self.anchor_ids = list(anchor_ids)
+        self.fingerprint = fingerprint.with_encoding(anchor_encoding(self.anchor_ids))
         self.batch_size = batch_size
-        self.max_chunk_tokens = max_chunk_tokens or int(model.config.max_position_embeddings)
+        self.max_chunk_tokens = (max_chunk_tokens or int(model.config.max_position_embeddings)) \
+            - len(self.anchor_ids)
+
+    @property
+    def base_position(self) -> int:
+        return len(self.anchor_ids)
 
     def tokenize(self, text: str) -> list[int]:
         if not text or not text.strip():
@@ -155,21 +220,22 @@ class ChunkEncoder:
     def encode_ids(self, ids_list: Sequence[Sequence[int]],
                    progress: ProgressFn | None = None) -> list[KVBlob]:
         """Encode token-id chunks. Right padding keeps every real token at its own position
-        0..n−1, and causal attention means no real token ever sees a pad."""
+        (after the anchor, if any), and causal attention means no real token ever sees a pad."""
         order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))  # less padding
         blobs: list[KVBlob | None] = [None] * len(ids_list)
         device = next(self.model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
         pad_id = 0 if pad_id is None else pad_id
+        a = len(self.anchor_ids)
         done = 0
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
-            lengths = [len(ids_list[i]) for i in batch]
+            lengths = [a + len(ids_list[i]) for i in batch]
             width = max(lengths)
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
-                input_ids[row, :lengths[row]] = torch.as_tensor(ids_list[i])
+                input_ids[row, :lengths[row]] = torch.as_tensor(self.anchor_ids + list(ids_list[i]))
                 mask[row, :lengths[row]] = 1
             with torch.inference_mode():
                 out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
@@ -181,9 +247,10 @@ class ChunkEncoder:
                 n = lengths[row]
                 blobs[i] = KVBlob(
                     token_ids=torch.as_tensor(ids_list[i], dtype=torch.long),
-                    keys=keys[row, :, :, :n].contiguous().cpu(),
-                    values=values[row, :, :, :n].contiguous().cpu(),
+                    keys=keys[row, :, :, a:n].contiguous().cpu(),
+                    values=values[row, :, :, a:n].contiguous().cpu(),
                     fingerprint=self.fingerprint,
+                    base_position=a,
                 )
             done += len(batch)
             if progress:

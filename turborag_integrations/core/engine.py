@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import xxhash
 
+from .adapter import apply_adapter, bundled_adapter
+from .anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
 from .cache import CachePool
 from .blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
 from .errors import EmptyChunkError
@@ -56,19 +59,45 @@ class TurboRAGEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
-                 prefetch: bool = False):
+                 prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
+                 adapter: str | Path | None = "default"):
+        """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
+        (see core/anchor.py). Blobs of different anchors never mix: the anchor is part of their
+        fingerprint and key.
+
+        adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load;
+        "default" merges the one shipped for a bundled model (SmolLM2), None uses the weights
+        as they are. The weights digest, and so every blob's fingerprint, follows the merge.
+        """
         if positions not in POSITION_MODES:
             raise ValueError(f"positions must be one of {POSITION_MODES}, not {positions!r}")
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, progress=progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
+        if adapter == "default":
+            adapter = bundled_adapter(self.loaded.name)
+        elif adapter == "none":
+            adapter = None
+        self.adapter = Path(adapter) if adapter is not None else None
+        if self.adapter is not None:
+            apply_adapter(self.model, self.adapter)
         self.positions = positions
         self.cache_prefix = cache_prefix
         self.prefetch = prefetch
-        self.fingerprint: Fingerprint = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
+        model_fp = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
         self.rotator = KeyRotator.for_model(self.model)
-        self.encoder = ChunkEncoder(self.model, self.tokenizer, self.fingerprint, batch_size=batch_size)
+        self.anchor = anchor or "none"
+        self.anchor_text = anchor_text(self.anchor, self.tokenizer)
+        # Chunks are encoded after the anchor; the prompt's own head (the text before the first
+        # chunk) starts the sequence, so it is encoded plain, at 0..n−1, which is exact.
+        self.encoder = ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size,
+                                    anchor_ids=anchor_ids(self.anchor, self.tokenizer))
+        self.prefix_encoder = ChunkEncoder(self.model, self.tokenizer, model_fp,
+                                           batch_size=batch_size)
+        # The fingerprint of chunk blobs (model setup + anchor), and of plain prefix blobs.
+        self.fingerprint: Fingerprint = self.encoder.fingerprint
+        self.prefix_fingerprint: Fingerprint = self.prefix_encoder.fingerprint
         self.store = store if isinstance(store, KVStore) else KVStore(store)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
@@ -145,6 +174,23 @@ class TurboRAGEngine:
             self.store.put(blob)
         return blob
 
+    def prefix_key(self, text: str) -> str:
+        """Key of the plain (unanchored) blob of a prompt head."""
+        return chunk_key(self.prefix_fingerprint, self.prefix_encoder.tokenize(text))
+
+    def prefix_blob(self, text: str, *, encode_missing: bool = True) -> KVBlob | None:
+        """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill."""
+        try:
+            ids = self.prefix_encoder.tokenize(text)
+        except EmptyChunkError:
+            return None
+        key = chunk_key(self.prefix_fingerprint, ids)
+        blob = self.store.get(key, self.prefix_fingerprint)
+        if blob is None and encode_missing:
+            blob = self.prefix_encoder.encode_ids([ids])[0]
+            self.store.put(blob)
+        return blob
+
     # ---- prompts ----------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of a chat, through the model's own chat template."""
@@ -188,7 +234,7 @@ class TurboRAGEngine:
                 # The text before the first chunk (system prompt, template head) sees only
                 # itself, exactly like a chunk at position 0: caching it is exact, and it is the
                 # same for every query of an app.
-                blob = self.blob_for(text, encode_missing=True)
+                blob = self.prefix_blob(text)
             else:
                 blob = None
             segments.append(Segment(text, blob))

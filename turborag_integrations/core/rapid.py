@@ -528,11 +528,11 @@ class RapidEngine:
         engine = self.target
         blob, key = None, None
         if prefix and self.prefix_cache:
-            key = engine.chunk_key(prefix)
+            key = engine.prefix_key(prefix)
             if self._prefix is not None and self._prefix[0] == key:
                 blob = self._prefix[1]
             elif self._native_store():
-                blob = engine.store.get(key, engine.fingerprint)
+                blob = engine.store.get(key, engine.prefix_fingerprint)
         segments = [Segment(prefix, blob), Segment(suffix)] if prefix else [Segment(suffix)]
         pre = engine.prefill(segments, reserve=reserve)
         return pre, key, blob is not None
@@ -546,7 +546,7 @@ class RapidEngine:
         blob = KVBlob(token_ids=torch.as_tensor(ids, dtype=torch.long),
                       keys=cache.storage.k[:, 0, :, :n].clone().cpu(),
                       values=cache.storage.v[:, 0, :, :n].clone().cpu(),
-                      fingerprint=self.target.fingerprint)
+                      fingerprint=self.target.prefix_fingerprint)
         self._prefix = (key, blob)
         if self._native_store():
             self.target.store.put(blob)

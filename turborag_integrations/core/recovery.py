@@ -37,8 +37,9 @@ from .stitch import CachedSpan, StitchPlan
 
 
 def _slice_blob(blob: KVBlob, start: int, end: int) -> KVBlob:
-    return KVBlob(token_ids=blob.token_ids[start:end], keys=blob.keys[:, :, start:end],
-                  values=blob.values[:, :, start:end], fingerprint=blob.fingerprint)
+    # base_position stays the blob's: a run's keys keep the rotation they were encoded with.
+    return replace(blob, token_ids=blob.token_ids[start:end], keys=blob.keys[:, :, start:end],
+                   values=blob.values[:, :, start:end])
 
 
 def recompute_tokens(plan: StitchPlan, indices: Iterable[int]) -> StitchPlan:

@@ -73,7 +73,7 @@ class Segment:
 class CachedSpan:
     blob: KVBlob
     prompt_start: int  # index of its first token in the prompt
-    position_start: int  # RoPE position of its first token (0 in composite mode)
+    position_start: int  # RoPE position of its first token in the prompt (0 in composite mode)
 
 
 @dataclass
@@ -163,7 +163,9 @@ def assemble(model, plan: StitchPlan, rotator: KeyRotator, capacity: int,
         # rotation runs where the cache lives.
         keys = span.blob.keys.to(device=device, dtype=dtype)
         k_slot, v_slot = cache.slot(span.blob.num_tokens)
-        rotator.rotate(keys, span.position_start, out=k_slot[:, 0])
+        # The keys carry the rotation of the position they were encoded at (after an anchor,
+        # base_position > 0); move them from there to their place in this prompt.
+        rotator.rotate(keys, span.position_start - span.blob.base_position, out=k_slot[:, 0])
         v_slot[:, 0].copy_(span.blob.values)
     return cache
 
@@ -224,33 +226,83 @@ def prefill(model, plan: StitchPlan, rotator: KeyRotator, *, extra_capacity: int
                                        "recovery_s": t0 - t_r})
 
 
-def reference_forward(model, plan: StitchPlan) -> torch.Tensor:
-    """Logits of one forward over the whole prompt under TurboRAG's attention pattern.
+@dataclass
+class Layout:
+    """A stitched prompt written out as one sequence for a single masked forward.
+
+    Each anchored chunk is preceded by its own copy of the anchor, which only that chunk sees;
+    `spans` are (start, length, hidden) with the anchor copy counted in `length` and `hidden`.
+    `prompt_index[i]` is where prompt token i sits in the sequence. Positions are shifted by the
+    anchor length so that no anchor copy gets a negative position (RoPE depends only on
+    differences, so the shift changes nothing).
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    spans: list[tuple[int, int, int]]
+    prompt_index: list[int]
+
+    def mask(self) -> torch.Tensor:
+        return independent_attention_mask(len(self.token_ids), self.spans)
+
+
+def layout(plan: StitchPlan, anchor_ids: Sequence[int] = ()) -> Layout:
+    """The sequence, positions and spans whose masked forward defines a stitched prompt."""
+    a = len(anchor_ids)
+    starts = {s.prompt_start: s for s in plan.spans}
+    ids: list[int] = []
+    pos: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    index: list[int] = []
+    for i, (tok, p) in enumerate(zip(plan.token_ids, plan.positions)):
+        span = starts.get(i)
+        if span is not None:
+            hidden = span.blob.base_position
+            if hidden and hidden != a:
+                raise ValueError(f"a blob encoded after a {hidden}-token anchor needs those "
+                                 f"anchor ids (got {a})")
+            spans.append((len(ids), hidden + span.blob.num_tokens, hidden))
+            ids.extend(anchor_ids[:hidden])
+            pos.extend(range(p - hidden + a, p + a))
+        index.append(len(ids))
+        ids.append(tok)
+        pos.append(p + a)
+    return Layout(ids, pos, spans, index)
+
+
+def reference_forward(model, plan: StitchPlan, anchor_ids: Sequence[int] = ()) -> torch.Tensor:
+    """Logits [prompt, vocab] of one forward over the whole prompt under TurboRAG's attention
+    pattern.
 
     The definition the stitched path must reproduce (invariant 2), written the obvious way: one
-    4D mask over the full prompt in which chunk tokens see only their own chunk, causally, and
-    every other token sees all tokens before it. Also the mask the fine-tuning collator builds.
+    4D mask over the full prompt in which chunk tokens see only their own chunk (and the copy of
+    the anchor they were encoded after), causally, and every other token sees all prompt tokens
+    before it. Also the layout the fine-tuning collator builds.
     """
-    n = len(plan.token_ids)
-    mask = independent_attention_mask(n, [(s.prompt_start, s.blob.num_tokens) for s in plan.spans])
+    lay = layout(plan, anchor_ids)
+    mask = lay.mask()
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
         ~mask.to(device), torch.finfo(dtype).min)
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([plan.token_ids], device=device),
-                    position_ids=torch.tensor([plan.positions], device=device),
+        out = model(input_ids=torch.tensor([lay.token_ids], device=device),
+                    position_ids=torch.tensor([lay.positions], device=device),
                     attention_mask=additive[None, None], use_cache=False)
-    return out.logits[0].float()
+    return out.logits[0, lay.prompt_index].float()
 
 
-def independent_attention_mask(n: int, chunk_spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+def independent_attention_mask(n: int, chunk_spans: Sequence[tuple[int, ...]]) -> torch.Tensor:
     """[n, n] boolean mask (True = may attend) of TurboRAG's independent attention.
 
-    chunk_spans: (start, length) of each chunk in the sequence.
+    chunk_spans: (start, length) of each chunk in the sequence, or (start, length, hidden) when
+    the span's first `hidden` tokens (an anchor copy) are seen by that span alone.
     """
     mask = torch.ones(n, n, dtype=torch.bool).tril_()
-    for start, length in chunk_spans:
+    for start, length, *rest in chunk_spans:
         # Tokens of this chunk see nothing before the chunk's own start.
         mask[start:start + length, :start] = False
+        hidden = rest[0] if rest else 0
+        if hidden:
+            mask[start + length:, start:start + hidden] = False
     return mask

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -152,8 +152,8 @@ class KVStore:
         if tier_name == "disk_hits" and self._tiers():
             # Disk blobs are views of a memory map: the page cache, not ours to keep. A memory
             # tier must own its bytes, or evicted pages would be re-read from disk on a "hit".
-            blob = KVBlob(blob.token_ids.clone(), blob.keys.clone(), blob.values.clone(),
-                          blob.fingerprint)
+            blob = replace(blob, token_ids=blob.token_ids.clone(), keys=blob.keys.clone(),
+                           values=blob.values.clone())
         for name, tier in self._tiers():
             if name == tier_name:
                 break

@@ -58,7 +58,7 @@ def to_stored(blob: KVBlob, storage_dtype: str) -> tuple[dict[str, torch.Tensor]
     else:
         dt = _FLOATS[storage_dtype]
         tensors.update(keys=blob.keys.to(dt).contiguous(), values=blob.values.to(dt).contiguous())
-    return tensors, {"storage_dtype": storage_dtype}
+    return tensors, {"storage_dtype": storage_dtype, "base_position": str(blob.base_position)}
 
 
 def from_stored(tensors: dict[str, torch.Tensor], meta: dict, fingerprint: Fingerprint) -> KVBlob:
@@ -73,4 +73,5 @@ def from_stored(tensors: dict[str, torch.Tensor], meta: dict, fingerprint: Finge
         keys, values = tensors["keys"], tensors["values"]
         if keys.dtype != dtype:
             keys, values = keys.to(dtype), values.to(dtype)
-    return KVBlob(token_ids=tensors["token_ids"], keys=keys, values=values, fingerprint=fingerprint)
+    return KVBlob(token_ids=tensors["token_ids"], keys=keys, values=values, fingerprint=fingerprint,
+                  base_position=int(meta.get("base_position", 0)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
@@ -66,8 +67,8 @@ class MemoryTier:
                 self.bytes -= self._items.pop(victim_key).nbytes
                 self.evictions += 1
             if self.device.type != "cpu":
-                blob = KVBlob(blob.token_ids, blob.keys.to(self.device), blob.values.to(self.device),
-                              blob.fingerprint)
+                blob = replace(blob, keys=blob.keys.to(self.device),
+                               values=blob.values.to(self.device))
             self._items[key] = blob
             self.bytes += size
             return True
