@@ -42,6 +42,8 @@ def demo(
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
+    adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
+                                "for the bundled model) | none | a file"),
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
     from tqdm import tqdm
@@ -53,7 +55,7 @@ def demo(
     from .core.retrieval import ChunkRetriever
 
     try:
-        engine = TurboRAGEngine(model, store=store)
+        engine = TurboRAGEngine(model, store=store, adapter=adapter)
         texts = _read_docs(docs)
         chunks, sources = [], []
         for name, text in texts.items():
@@ -114,6 +116,8 @@ def ingest(
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     chunk_tokens: int = typer.Option(512, help="chunk size in tokens (first ingestion only)"),
+    adapter: Optional[str] = typer.Option(None, help="LoRA adapter: default (shipped for the "
+                                          "bundled model) | none | a file (first ingestion)"),
     json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
 ):
     """Chunk, embed and encode KV blobs for documents. Reruns skip what is already in."""
@@ -123,7 +127,7 @@ def ingest(
 
     from .core.errors import TurboRAGError
 
-    ws = _workspace(store, model, chunk_tokens=chunk_tokens)
+    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter)
     try:
         with tqdm(desc="ingesting", unit="file", disable=json_out) as bar:
             def progress(path, done, total):

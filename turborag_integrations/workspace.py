@@ -130,7 +130,9 @@ class Workspace:
 
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
-                 embedding: str | None = None):
+                 embedding: str | None = None, adapter: str | None = None):
+        """adapter: "default" (the adapter shipped for a bundled model), "none", or a file;
+        None keeps what the workspace was built with (default for a new one)."""
         self.root = Path(root).expanduser() if root else default_workspace()
         self.root.mkdir(parents=True, exist_ok=True)
         manifest = self._read_manifest()
@@ -141,6 +143,7 @@ class Workspace:
         self.model_name = model or (manifest or {}).get("model") or DEFAULT_MODEL
         self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
         self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
+        self.adapter = adapter or (manifest or {}).get("adapter") or "default"
         self._engine = engine
         self._embedder = None
         self._collection = None
@@ -150,7 +153,8 @@ class Workspace:
     @property
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
-            self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.root / "kv"))
+            self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.root / "kv"),
+                                          adapter=self.adapter)
         return self._engine
 
     @property
@@ -175,7 +179,8 @@ class Workspace:
 
     def _write_manifest(self) -> None:
         data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
-                "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name}
+                "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name,
+                "adapter": self.adapter}
         tmp = self.root / "manifest.json.tmp"
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.root / "manifest.json")

@@ -27,3 +27,7 @@ class EmptyChunkError(TurboRAGError, ValueError):
 
 class BlobCorrupted(TurboRAGError):
     """A stored blob failed its checksum or could not be parsed."""
+
+
+class AdapterMismatch(ModelError):
+    """An adapter file that was not made for this model's weights or layout."""

@@ -80,6 +80,11 @@ class TurboRAGLLM(CustomLLM):
                                  "full precision: the full-precision answers (GenerationConfig)")
     context_window: Optional[int] = Field(default=None,
                                           description="None: the model's own window")
+    anchor: str = Field(default="chat", description="what chunks are encoded after: chat | bos "
+                        "| none | a text (core/anchor.py); used when no engine is given")
+    adapter: Optional[str] = Field(default="default", description="LoRA adapter merged at load: "
+                                   "'default' (shipped for the bundled model), None, or a file; "
+                                   "used when no engine is given")
 
     _engine: TurboRAGEngine = PrivateAttr()
     _registry: ChunkRegistry = PrivateAttr()
@@ -96,7 +101,8 @@ class TurboRAGLLM(CustomLLM):
             raise ValueError(f"positions must be one of {POSITION_MODES}, not {self.positions!r}")
         if engine is None:
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
-                                    positions=self.positions or "reordered")
+                                    positions=self.positions or "reordered",
+                                    anchor=self.anchor, adapter=self.adapter)
         self._engine = engine
         self._registry = registry if registry is not None else ChunkRegistry.for_engine(engine)
         if self.context_window is None:
