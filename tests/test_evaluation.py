@@ -8,7 +8,8 @@ from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.evaluation.devset import generate_devset, make_items
 from turborag_integrations.evaluation.harness import (ModeSpec, evaluate, load_items,
                                                       markdown_table, write_results)
-from turborag_integrations.evaluation.metrics import contains, exact_match, normalize, token_f1
+from turborag_integrations.evaluation.metrics import (contains, exact_match, is_refusal, normalize,
+                                                      token_f1)
 from tests.conftest import tiny_model
 
 
@@ -19,6 +20,71 @@ def test_metrics():
     assert contains("Tamsin Ruelle", ["Tamsin Ruel"]) == 0.0  # whole words only
     assert token_f1("Tamsin Smith", ["Tamsin Ruel"]) == pytest.approx(0.5)
     assert token_f1("", ["x"]) == 0.0
+
+
+@pytest.mark.parametrize("reply", ["The context does not say.", "I don't know.",
+                                   "It is not mentioned in the context.", "Unknown",
+                                   "There is no information about the opening date.",
+                                   "The answer cannot be determined from the context."])
+def test_refusals_are_recognised(reply):
+    assert is_refusal(reply)
+
+
+@pytest.mark.parametrize("reply", ["38 meters", "Tamsin Ruel", "The answer is 1612.",
+                                   "It opened in May, known for its bells."])
+def test_answers_are_not_refusals(reply):
+    assert not is_refusal(reply)
+
+
+def test_unanswerable_items_load_and_malformed_ones_are_reported(tmp_path):
+    p = tmp_path / "d.jsonl"
+    lines = [{"id": "u", "question": "Q?", "answers": [], "chunks": ["c"], "unanswerable": True},
+             {"id": "e", "question": "Q?", "answers": [], "chunks": ["c"]},
+             {"id": "x", "question": "Q?", "answers": ["a"], "chunks": ["c"], "unanswerable": "yes"}]
+    rep = load_items(p.write_text("\n".join(json.dumps(r) for r in lines)) and p)
+    assert [i.id for i in rep.items] == ["u"] and rep.items[0].unanswerable
+    assert [n for n, _ in rep.errors] == [2, 3]
+    assert "unanswerable" in rep.errors[0][1] and "true or false" in rep.errors[1][1]
+
+
+def test_refusal_is_correct_only_on_unanswerable_items(tmp_path, monkeypatch):
+    """The headline 'correct' counts a refusal right on an unanswerable item and wrong on an
+    answerable one; an answer is right only where it contains the answer."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    rows = [{"id": "a", "question": "Who?", "answers": ["Tamsin"], "chunks": ["Tamsin did."]},
+            {"id": "u", "question": "When?", "answers": [], "chunks": ["Never."],
+             "unanswerable": True}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    from turborag_integrations.core import engine as engine_mod
+
+    class Reply:  # the tiny model's random text replaced by a fixed refusal
+        def __init__(self, result):
+            result.text = "The context does not say."
+            self.result = result
+
+    real = engine_mod.TurboRAGEngine.generate
+    monkeypatch.setattr(engine_mod.TurboRAGEngine, "generate",
+                        lambda self, *a, **k: Reply(real(self, *a, **k)).result)
+    res = evaluate(engine, load_items(p).items, ["naive"], max_new_tokens=2)
+    m = res["modes"]["naive"]
+    assert m["correct"] == 50 and m["refused_unanswerable"] == 100
+    assert m["refused_answerable"] == 100 and m["contains"] == 0 and m["n_unanswerable"] == 1
+
+
+def test_anchor_modes_use_sibling_engines_on_one_model(tmp_path):
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did.", "Orrin not."]}))
+    modes = ["turbo@none", "turbo@chat", "turbo@head", "turbo@bos"]
+    res = evaluate(engine, load_items(p).items, modes, max_new_tokens=3)
+    assert set(res["modes"]) == set(modes)
+    assert all(m["reused_fraction"] > 0 for m in res["modes"].values())
+    with pytest.raises(ValueError, match="anchor"):
+        ModeSpec.parse("turbo@nowhere")
+    with pytest.raises(ValueError, match="turbo modes only"):
+        ModeSpec.parse("naive@chat")
 
 
 def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
@@ -44,6 +110,17 @@ def test_bundled_devset_is_small_and_valid():
         rep = load_items(path)
         assert rep.items and not rep.errors
     assert sum(p.stat().st_size for p in DEVSET.glob("*.jsonl")) < 2 << 20
+
+
+def test_bundled_heldout_set_is_valid():
+    from turborag_integrations.evaluation.cli import HELDOUT
+    rep = load_items(HELDOUT)
+    assert not rep.errors and len(rep.items) >= 60
+    una = [i for i in rep.items if i.unanswerable]
+    assert len(una) >= 10 and all(not i.answers for i in una)
+    for it in rep.items:
+        if not it.unanswerable:  # the canonical answer is in a gold chunk, verbatim
+            assert any(it.answers[0] in it.chunks[g] for g in it.gold), it.id
 
 
 def test_malformed_lines_are_reported_with_line_numbers(tmp_path):

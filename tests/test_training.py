@@ -18,11 +18,12 @@ CHUNKS = ["The town of Velkaro was founded in 1612.", "Orbis Works makes kite sa
 Q, A = "Who keeps an owl?", "Tamsin Ruel"
 
 
+@pytest.mark.parametrize("anchor", ["chat", "none"])
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_training_forward_equals_stitched_inference(model_type, positions, tmp_path):
+def test_training_forward_equals_stitched_inference(model_type, positions, anchor, tmp_path):
     loaded = tiny_model(model_type)
-    engine = TurboRAGEngine(loaded, store=tmp_path / "kv")
+    engine = TurboRAGEngine(loaded, store=tmp_path / "kv", anchor=anchor)
     prompt, texts = build_prompt(loaded.tokenizer, Q, CHUNKS)
     engine.encode_chunks(texts)
     segments, hits, _ = engine.segments(prompt, texts)
@@ -31,20 +32,26 @@ def test_training_forward_equals_stitched_inference(model_type, positions, tmp_p
                        fingerprint=engine.fingerprint)
     stitched = prefill(loaded.model, plan, engine.rotator, all_logits=True)
 
-    ex = build_example(loaded.tokenizer, Q, CHUNKS, A, positions=positions)
-    assert ex.input_ids[:ex.prompt_len] == plan.token_ids
-    assert ex.position_ids[:ex.prompt_len] == plan.positions
+    anchor_ids = engine.encoder.anchor_ids
+    assert bool(anchor_ids) == (anchor != "none")
+    ex = build_example(loaded.tokenizer, Q, CHUNKS, A, positions=positions, anchor_ids=anchor_ids)
+    shift = len(anchor_ids)  # the layout shifts positions so no anchor copy is negative
+    assert [ex.input_ids[i] for i in ex.prompt_index] == plan.token_ids
+    assert [ex.position_ids[i] - shift for i in ex.prompt_index] == plan.positions
+    assert len(ex.input_ids[:ex.prompt_len]) == len(plan.token_ids) + len(CHUNKS) * shift
     assert all(l == IGNORE for l in ex.labels[:ex.prompt_len])
     answer = loaded.tokenizer.decode([t for t in ex.labels if t != IGNORE])
     assert answer.startswith(A)
     batch = TurboRAGCollator(loaded.tokenizer.pad_token_id)([ex])
     with torch.no_grad():
         logits = forward_logits(loaded.model, batch)[0]
-    torch.testing.assert_close(logits[plan.plain_index], stitched.logits, atol=1e-4, rtol=0)
-    # Chunk tokens see only their own chunk.
+    rows = [ex.prompt_index[i] for i in plan.plain_index]
+    torch.testing.assert_close(logits[rows], stitched.logits, atol=1e-4, rtol=0)
+    # Chunk tokens see only their own chunk; nothing after a chunk sees its anchor copy.
     mask = ex.mask()
-    for start, n in ex.chunk_spans:
+    for start, n, hidden in ex.chunk_spans:
         assert not mask[start:start + n, :start].any()
+        assert not mask[start + n:, start:start + hidden].any()
 
 
 def test_padding_does_not_change_an_example(tiny_llama):
@@ -64,7 +71,7 @@ def test_doc_tokens_are_single_tokens_inside_chunks(tiny_llama):
     ids = add_doc_tokens(tok, tiny_llama.model)
     assert tiny_llama.model.get_input_embeddings().weight.shape[0] >= len(tok)
     ex = build_example(tok, Q, CHUNKS, A, doc_tokens=True)
-    for start, n in ex.chunk_spans[1:]:  # [0] is the cached prefix
+    for start, n, _ in ex.chunk_spans[1:]:  # [0] is the cached prefix
         assert ex.input_ids[start] == ids[0] and ex.input_ids[start + n - 1] == ids[1]
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 import typer
 
 DEVSET = Path(__file__).resolve().parents[1] / "data" / "devset"
+# Hand-written, never trained on or used to choose settings: report on it once.
+HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout" / "heldout.jsonl"
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -24,6 +26,8 @@ def _fail(message: str, code: int = 2) -> None:
 def eval_command(
     data: Path = typer.Argument(DEVSET / "test.jsonl", help="JSONL set: id, question, answers, chunks"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
+    adapter: str = typer.Option("default", help="LoRA adapter merged at load: 'default' (the one "
+                                "shipped for the bundled model), 'none', or a file"),
     modes: str = typer.Option("naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15",
                               help="comma-separated: naive, turbo, turbo-composite, "
                                    "turbo[-composite]+RECOVERY (boundary:K, blend:R), ft:MODE"),
@@ -61,8 +65,8 @@ def eval_command(
             ft_doc = bool(info.get("doc_tokens"))
     try:
         with temporary_store() as base_kv, temporary_store() as ft_kv:
-            engine = TurboRAGEngine(model, store=base_kv, progress=False)
-            ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False) \
+            engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter)
+            ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False, adapter=None) \
                 if finetuned is not None else None
 
             def progress(mode, done, total):
@@ -77,6 +81,8 @@ def eval_command(
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
     results["data"] = str(data)
     results["model"] = model or "smollm2-135m-instruct"
+    results["adapter"] = str(engine.adapter) if engine.adapter else None
+    results["anchor"] = engine.anchor
     if finetuned is not None:
         results["finetuned"] = str(finetuned)
     for s in results["skipped"]:
@@ -104,6 +110,9 @@ def finetune_command(
     doc_tokens: bool = typer.Option(False, help="add <|doc_start|>/<|doc_end|> around chunks"),
     max_chunks: Optional[int] = typer.Option(None, help="keep at most N chunks per item "
                                              "(gold always kept): shorter, faster steps"),
+    anchor: str = typer.Option("chat", help="chunk anchor of the layout trained on: the engine's "
+                               "(chat | bos | none | a text)"),
+    max_tokens: int = typer.Option(1536, help="skip longer examples"),
     seed: int = typer.Option(0),
 ):
     """Fine-tune a model for TurboRAG's independent attention (loss on the answer only)."""
@@ -115,6 +124,7 @@ def finetune_command(
     cfg = FinetuneConfig(model=model, data=str(data), out=str(out), steps=steps,
                          batch_size=batch_size, lr=lr, positions=positions, lora=lora,
                          lora_rank=lora_rank, doc_tokens=doc_tokens, max_chunks=max_chunks,
+                         anchor=anchor, max_tokens=max_tokens,
                          seed=seed)
     try:
         summary = finetune(cfg, log=lambda m: typer.echo(m, err=True))

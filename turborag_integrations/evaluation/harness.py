@@ -1,9 +1,12 @@
 """Evaluate TurboRAG modes on a JSONL RAG set: accuracy, agreement with a full prefill, TTFT.
 
-Input lines: {"id", "question", "answers": [...], "chunks": [texts], "gold": [indices]} (other
-keys are ignored). For each mode every item is answered greedily and scored:
+Input lines: {"id", "question", "answers": [...], "chunks": [texts], "gold": [indices]}, and
+optionally "unanswerable": true (then "answers" may be empty: the context lacks the fact). Other
+keys are ignored. For each mode every item is answered greedily and scored:
 
-- contains: a normalised answer occurs in the normalised reply (whole words)
+- correct: the headline figure — an answerable item is correct when its reply contains an answer,
+  an unanswerable one when its reply refuses (`metrics.is_refusal`)
+- contains: a normalised answer occurs in the normalised reply (whole words), answerable items
 - em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
 - agreement: the reply equals (normalised) the `naive` reply of the same model on that item
   (`ft:naive` for the fine-tuned modes)
@@ -11,8 +14,10 @@ keys are ignored). For each mode every item is answered greedily and scored:
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
 Modes: "naive" (full prefill), "turbo" (stitched, reordered positions), "turbo-composite",
-either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), and every mode of a
-fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive").
+either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), with a chunk anchor
+other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
+prompt's own head, known at ingestion here), and every mode of a fine-tuned model, prefixed "ft:"
+("ft:turbo", "ft:naive").
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from typing import Callable, Iterable, Sequence
 from ..core.errors import ContextWindowError
 from ..core.generate import GenerationConfig
 from ..core.recovery import parse_recovery
-from .metrics import normalize, score
-from .prompt import build_prompt
+from .metrics import is_refusal, normalize, score
+from .prompt import build_prompt, prompt_head
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ class Item:
     chunks: list[str]
     gold: list[int] = field(default_factory=list)
     line: int = 0
+    unanswerable: bool = False
+    template: str | None = None  # training mixes: the prompt template (training/templates.py)
 
 
 @dataclass
@@ -68,13 +75,22 @@ def load_items(path: str | Path) -> LoadReport:
                     raise ValueError("'question' must be a non-empty string")
                 if isinstance(answers, str):
                     answers = [answers]
-                if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-                    raise ValueError("'answers' must be a non-empty list of strings")
+                unanswerable = d.get("unanswerable", False)
+                if not isinstance(unanswerable, bool):
+                    raise ValueError("'unanswerable' must be true or false")
+                if answers is None and unanswerable:
+                    answers = []
+                if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+                    raise ValueError("'answers' must be a list of strings")
+                if not answers and not unanswerable:
+                    raise ValueError("'answers' is empty: give at least one answer, or mark the "
+                                     "item \"unanswerable\": true")
                 if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
                     raise ValueError("'chunks' must be a list of strings")
                 gold = d.get("gold") or []
                 items.append(Item(str(d.get("id", f"line{n}")), q, answers,
-                                  [c for c in chunks if c.strip()], list(gold), n))
+                                  [c for c in chunks if c.strip()], list(gold), n, unanswerable,
+                                  d.get("template") or None))
             except (ValueError, TypeError) as exc:
                 errors.append((n, str(exc) if not isinstance(exc, json.JSONDecodeError)
                                else f"invalid JSON: {exc.msg} (column {exc.colno})"))
@@ -88,6 +104,7 @@ class ModeSpec:
     mode: str  # naive | turbo
     positions: str  # reordered | composite
     recovery: str | None
+    anchor: str | None = None  # None: the engine's own
 
     @classmethod
     def parse(cls, name: str) -> "ModeSpec":
@@ -95,15 +112,35 @@ class ModeSpec:
         ft = body.startswith("ft:")
         if ft:
             body = body[3:]
+        body, _, anchor = body.partition("@")
+        if anchor and anchor not in ANCHOR_MODES:
+            raise ValueError(f"unknown anchor in mode {name!r}: use one of {ANCHOR_MODES}")
         base, _, rec = body.partition("+")
         if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
             raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
                              "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
-        if base == "naive" and rec:
-            raise ValueError(f"mode {name!r}: recovery applies to turbo modes only")
+        if base == "naive" and (rec or anchor):
+            raise ValueError(f"mode {name!r}: recovery and anchors apply to turbo modes only")
         parse_recovery(rec or None)  # validate early
         return cls(name.strip(), ft, "naive" if base == "naive" else "turbo",
-                   "composite" if base == "turbo-composite" else "reordered", rec or None)
+                   "composite" if base == "turbo-composite" else "reordered", rec or None,
+                   anchor or None)
+
+
+ANCHOR_MODES = ("none", "bos", "chat", "head")
+
+
+def _with_anchor(engine, anchor: str | None, head: str):
+    """The engine itself, or a sibling on the same model and store with another chunk anchor."""
+    if anchor is None:
+        return engine
+    spec = head if anchor == "head" else anchor
+    if spec == engine.anchor or (anchor == "head" and engine.anchor_text == head):
+        return engine
+    from ..core.engine import TurboRAGEngine
+
+    return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
+                          progress=False, anchor=spec)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -122,6 +159,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=("\n",))
     # Build prompts and check the window once per engine.
     prepared: dict[bool, dict[str, tuple[str, list[str]]]] = {}
+    engines: dict[ModeSpec, object] = {}
     skipped: dict[str, str] = {}
     for ft in sorted({s.finetuned for s in specs}):
         eng = ft_engine if ft else engine
@@ -137,8 +175,14 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             table[it.id] = (prompt, texts)
         prepared[ft] = table
         chunks = sorted({c for p in table.values() for c in p[1]})
-        if chunks and any(s.mode == "turbo" and s.finetuned == ft for s in specs):
-            eng.encode_chunks(chunks)  # ingestion: not part of TTFT
+        head = prompt_head(eng.tokenizer)
+        for spec in specs:
+            if spec.finetuned == ft:
+                engines[spec] = _with_anchor(eng, spec.anchor, head)
+        for e in {id(engines[s]): engines[s] for s in specs
+                  if s.finetuned == ft and s.mode == "turbo"}.values():
+            if chunks:
+                e.encode_chunks(chunks)  # ingestion: not part of TTFT
         eng.warmup()
     todo = [it for it in items if it.id not in skipped]
     answers: list[dict] = []
@@ -146,7 +190,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     naive_reply: dict[tuple[bool, str], str] = {}
     # the naive modes first, so every other mode can be compared with its own model's naive reply
     for spec in sorted(specs, key=lambda s: (s.mode != "naive" or s.recovery is not None,)):
-        eng = ft_engine if spec.finetuned else engine
+        eng = engines[spec]
         rows = []
         for i, it in enumerate(todo):
             prompt, texts = prepared[spec.finetuned][it.id]
@@ -159,8 +203,13 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 continue
             text = res.text.strip()
             st = res.stats
+            refused = is_refusal(text)
+            scores = score(text, it.answers) if it.answers else {"em": 0.0, "f1": 0.0,
+                                                                 "contains": 0.0}
+            correct = float(refused) if it.unanswerable else scores["contains"]
             row = {"id": it.id, "mode": spec.name, "answer": text, "answers": it.answers,
-                   **score(text, it.answers), "ttft_s": st.ttft_s,
+                   "unanswerable": it.unanswerable, "refused": refused, "correct": correct,
+                   **scores, "ttft_s": st.ttft_s,
                    "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                    "new_tokens": st.new_tokens}
             key = (spec.finetuned, it.id)
@@ -174,11 +223,19 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
         answers.extend(rows)
         n = len(rows) or 1
         agree = [r["agrees_with_naive"] for r in rows if "agrees_with_naive" in r]
+        ans = [r for r in rows if not r["unanswerable"]]
+        una = [r for r in rows if r["unanswerable"]]
+        na = len(ans) or 1
         per_mode[spec.name] = {
             "n": len(rows),
-            "contains": 100 * sum(r["contains"] for r in rows) / n,
-            "em": 100 * sum(r["em"] for r in rows) / n,
-            "f1": 100 * sum(r["f1"] for r in rows) / n,
+            "n_unanswerable": len(una),
+            "correct": 100 * sum(r["correct"] for r in rows) / n,
+            "contains": 100 * sum(r["contains"] for r in ans) / na,
+            "em": 100 * sum(r["em"] for r in ans) / na,
+            "f1": 100 * sum(r["f1"] for r in ans) / na,
+            "refused_unanswerable": (100 * sum(r["refused"] for r in una) / len(una)
+                                     if una else None),
+            "refused_answerable": 100 * sum(r["refused"] for r in ans) / na,
             "agreement": 100 * sum(agree) / len(agree) if agree else None,
             "ttft_s": _median([r["ttft_s"] for r in rows]),
             "reused_fraction": sum(r["reused_tokens"] / r["prompt_tokens"] for r in rows) / n,
@@ -192,12 +249,15 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
 
 
 def markdown_table(results: dict) -> str:
-    lines = ["| mode | contains % | EM % | F1 % | agreement w/ naive % | median TTFT s | "
-             "TTFT speed-up | reused % |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | correct % | contains % | EM % | F1 % | refused unanswerable % | "
+             "agreement w/ naive % | median TTFT s | TTFT speed-up | reused % |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["modes"].items():
         agree = "—" if m.get("agreement") is None else f"{m['agreement']:.1f}"
         sp = "—" if m.get("speedup_vs_naive") is None else f"{m['speedup_vs_naive']:.1f}x"
-        lines.append(f"| {name} | {m['contains']:.1f} | {m['em']:.1f} | {m['f1']:.1f} | {agree} | "
+        ref = "—" if m.get("refused_unanswerable") is None else f"{m['refused_unanswerable']:.0f}"
+        lines.append(f"| {name} | {m.get('correct', m['contains']):.1f} | {m['contains']:.1f} | "
+                     f"{m['em']:.1f} | {m['f1']:.1f} | {ref} | {agree} | "
                      f"{m['ttft_s']:.3f} | {sp} | {100 * m['reused_fraction']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -212,11 +272,11 @@ def plot(results: dict, path: str | Path) -> str | None:
         return "matplotlib is not installed: plot skipped (pip install matplotlib)"
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, m in results["modes"].items():
-        ax.scatter(m["ttft_s"], m["contains"])
-        ax.annotate(name, (m["ttft_s"], m["contains"]), fontsize=8)
+        ax.scatter(m["ttft_s"], m.get("correct", m["contains"]))
+        ax.annotate(name, (m["ttft_s"], m.get("correct", m["contains"])), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("median TTFT (s, log)")
-    ax.set_ylabel("answer-contains accuracy (%)")
+    ax.set_ylabel("correct (%): answers contained, unanswerable refused")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -47,3 +47,20 @@ def contains(prediction: str, answers: Sequence[str]) -> float:
 def score(prediction: str, answers: Sequence[str]) -> dict[str, float]:
     return {"em": exact_match(prediction, answers), "f1": token_f1(prediction, answers),
             "contains": contains(prediction, answers)}
+
+
+# A reply that declines to answer: what a RAG model should say when the context lacks the fact.
+# Matched on the normalised reply (lower case, no punctuation, no articles).
+_REFUSAL = re.compile(
+    r"\b(not (mentioned|stated|specified|given|provided|included|say|said|found|available|known|clear"
+    r"|contain|contained|in (context|text|passage|documents?))"
+    r"|(does not|doesn t|do not|don t|did not|cannot|can not|can t|unable to) "
+    r"(say|state|mention|specify|know|tell|answer|find|determine|provide)"
+    r"|(cannot|can not|can t) be (determined|answered|found)"
+    r"|no (information|mention|answer|data|details?)"
+    r"|unknown|i don t know|there is no)\b")
+
+
+def is_refusal(reply: str) -> bool:
+    """True when the reply says the context does not hold the answer (English phrasings)."""
+    return bool(_REFUSAL.search(normalize(reply)))

@@ -32,3 +32,11 @@ def build_prompt(tokenizer, question: str, chunks: Sequence[str], *, doc_tokens:
     user = "Context:\n" + SEPARATOR.join(texts) + f"{SEPARATOR}Question: {question}"
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     return render(tokenizer, messages), texts
+
+
+def prompt_head(tokenizer, system: str = SYSTEM) -> str:
+    """The evaluation prompt's text before its first chunk: the same for every question, so an
+    app that knows its template at ingestion can encode chunks after exactly this."""
+    marker = "\x00CHUNK\x00"
+    prompt, _ = build_prompt(tokenizer, "?", [marker], system=system)
+    return prompt.partition(marker)[0]

@@ -2,10 +2,11 @@
 
 An example is laid out exactly as the engine lays out the prompt at inference (the same prompt
 text, split around the chunk texts and tokenized piece by piece through `stitch.plan_prompt`),
-followed by the answer. The attention mask is `stitch.independent_attention_mask` (invariant 2):
-chunk tokens see only their own chunk, every other token (template, question, answer) sees all
+followed by the answer. The sequence and mask are `stitch.layout`'s (invariant 2): chunk tokens
+see only their own chunk — and their own copy of the anchor the engine encodes chunks after,
+which nothing else sees — and every other token (template, question, answer) sees all prompt
 tokens before it. Position ids are reordered (each token at its prompt index) or composite (each
-chunk from 0). The loss covers the answer tokens only.
+chunk from its encoding position). The loss covers the answer tokens only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Sequence
 import torch
 
 from ..core.segment import split_prompt
-from ..core.stitch import Segment, independent_attention_mask, plan_prompt
+from ..core.stitch import Segment, independent_attention_mask, layout, plan_prompt
 from ..evaluation.prompt import DOC_END, DOC_START, build_prompt, render
 
 IGNORE = -100
@@ -27,8 +28,9 @@ class _TokensOnly:
 
     fingerprint = None
 
-    def __init__(self, ids: Sequence[int]):
+    def __init__(self, ids: Sequence[int], base_position: int = 0):
         self.token_ids = torch.as_tensor(list(ids), dtype=torch.long)
+        self.base_position = base_position
 
     @property
     def num_tokens(self) -> int:
@@ -39,9 +41,16 @@ class _TokensOnly:
 class Example:
     input_ids: list[int]
     position_ids: list[int]
-    chunk_spans: list[tuple[int, int]]  # (start, length) of each independently attended span
+    # (start, length, hidden) of each independently attended span; its first `hidden` tokens are
+    # the anchor copy that only the span sees
+    chunk_spans: list[tuple[int, ...]]
     labels: list[int]  # IGNORE except on answer tokens
-    prompt_len: int
+    prompt_len: int  # sequence length before the answer (anchor copies included)
+    prompt_index: list[int] = None  # where each prompt token sits in the sequence
+
+    def __post_init__(self):
+        if self.prompt_index is None:
+            self.prompt_index = list(range(self.prompt_len))
 
     def mask(self) -> torch.Tensor:
         return independent_attention_mask(len(self.input_ids), self.chunk_spans)
@@ -65,13 +74,15 @@ def _accepts_replace(tokenizer) -> bool:
 
 
 def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
-                    cache_prefix: bool = True) -> list[Segment]:
-    """The engine's segmentation of `prompt` (see TurboRAGEngine.segments), with token-only blobs."""
+                    cache_prefix: bool = True, anchor_len: int = 0) -> list[Segment]:
+    """The engine's segmentation of `prompt` (see TurboRAGEngine.segments), with token-only blobs:
+    chunks encoded after an `anchor_len`-token anchor, the prompt's head plain."""
     pieces = split_prompt(prompt, chunk_texts)
     segments = []
     for i, (text, is_chunk) in enumerate(pieces):
         cached = is_chunk or (i == 0 and cache_prefix and any(c for _, c in pieces[1:]))
-        blob = _TokensOnly(tokenizer(text, add_special_tokens=False)["input_ids"]) if cached else None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        blob = _TokensOnly(ids, anchor_len if is_chunk else 0) if cached else None
         segments.append(Segment(text, blob))  # type: ignore[arg-type]
     return segments
 
@@ -95,17 +106,29 @@ def completion_text(tokenizer, prompt: str, messages_answer: str, question: str,
 
 def build_example(tokenizer, question: str, chunks: Sequence[str], answer: str, *,
                   positions: str = "reordered", doc_tokens: bool = False,
-                  cache_prefix: bool = True) -> Example:
+                  cache_prefix: bool = True, anchor_ids: Sequence[int] = ()) -> Example:
+    """An example on the evaluation prompt (optionally with document tokens)."""
     prompt, texts = build_prompt(tokenizer, question, chunks, doc_tokens=doc_tokens)
-    plan = plan_prompt(prompt_segments(tokenizer, prompt, texts, cache_prefix), tokenizer,
-                       positions=positions)
     tail = completion_text(tokenizer, prompt, answer, question, chunks, doc_tokens)
-    ans = tokenizer(tail, add_special_tokens=False)["input_ids"]
-    ids = list(plan.token_ids) + ans
-    pos = list(plan.positions) + list(range(plan.next_position, plan.next_position + len(ans)))
-    labels = [IGNORE] * len(plan.token_ids) + ans
-    spans = [(s.prompt_start, s.blob.num_tokens) for s in plan.spans]
-    return Example(ids, pos, spans, labels, len(plan.token_ids))
+    return example_from_prompt(tokenizer, prompt, texts, tail, positions=positions,
+                               cache_prefix=cache_prefix, anchor_ids=anchor_ids)
+
+
+def example_from_prompt(tokenizer, prompt: str, chunk_texts: Sequence[str], completion: str, *,
+                        positions: str = "reordered", cache_prefix: bool = True,
+                        anchor_ids: Sequence[int] = ()) -> Example:
+    """An example from any rendered prompt (training/templates.py), its chunk texts as they occur
+    in it, and the completion text to learn."""
+    segments = prompt_segments(tokenizer, prompt, chunk_texts, cache_prefix, len(anchor_ids))
+    plan = plan_prompt(segments, tokenizer, positions=positions)
+    lay = layout(plan, anchor_ids)
+    ans = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    # the answer continues where generation does, in the layout's shifted positions
+    start = plan.next_position + len(anchor_ids)
+    ids = lay.token_ids + ans
+    pos = lay.positions + list(range(start, start + len(ans)))
+    labels = [IGNORE] * len(lay.token_ids) + ans
+    return Example(ids, pos, lay.spans, labels, len(lay.token_ids), lay.prompt_index)
 
 
 class TurboRAGCollator:

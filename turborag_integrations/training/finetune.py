@@ -1,12 +1,19 @@
 """Fine-tune a model for stitched (independently attended) chunk caches.
 
-Each training example is the evaluation prompt in TurboRAG's layout (collator.py): chunks see
-only themselves, everything else sees all before it, positions reordered (or composite), loss on
-the answer only. Full fine-tuning or LoRA (peft; merged before saving). The saved folder is a
-plain transformers model that `TurboRAGEngine(folder)` and `turborag eval --finetuned` load; a
-`turborag_finetune.json` next to it records how it was trained (doc tokens, positions).
+Each training example is a prompt in TurboRAG's layout (collator.py): chunks see only
+themselves (and the anchor the engine encodes them after), everything else sees all before it,
+positions reordered (or composite), loss on the reply only. The prompt is the evaluation prompt,
+or — for items of a training mix (training/mix.py) that name a template — the exact text a stock
+LlamaIndex or LangChain pipeline sends (training/templates.py), with a short answer or, for an
+item whose context lacks the fact, a refusal.
 
-    turborag finetune out/smollm2-turbo --steps 150 --max-chunks 3
+Full fine-tuning or LoRA (peft). The saved folder is a plain transformers model (LoRA merged)
+that `TurboRAGEngine(folder)` and `turborag eval --finetuned` load; with LoRA the deltas alone are
+also saved as `adapter.safetensors` (core/adapter.py), a few MB that `TurboRAGEngine(adapter=...)`
+merges into the base model at load. `turborag_finetune.json` records how it was trained.
+
+    python -m turborag_integrations.training.mix --out mix.jsonl --n 1200 --seed 7
+    turborag finetune out/smollm2-turbo --data mix.jsonl --lora --lora-rank 8 --steps 400
 """
 
 from __future__ import annotations
@@ -20,9 +27,15 @@ from typing import Callable
 
 import torch
 
+from ..core.adapter import save_adapter
+from ..core.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.blob import weights_digest
 from ..core.models import load_model
 from ..evaluation.harness import load_items
-from .collator import TurboRAGCollator, add_doc_tokens, answer_loss, build_example
+from .collator import (TurboRAGCollator, add_doc_tokens, answer_loss, build_example,
+                       example_from_prompt)
+from .mix import target_reply
+from .templates import render
 
 META_FILE = "turborag_finetune.json"
 
@@ -44,6 +57,32 @@ class FinetuneConfig:
     max_chunks: int | None = None
     freeze_embeddings: bool = True  # tied 28M-parameter table: slow to update, rarely needed
     seed: int = 0
+    anchor: str = DEFAULT_ANCHOR  # must be the anchor the engine will encode chunks after
+    max_tokens: int = 1536  # longer examples are skipped (CPU memory and step time)
+
+
+def make_example(tok, item, chunks, cfg: FinetuneConfig, anchor: list[int]):
+    """The training example of one item: its template's prompt (the evaluation prompt when it
+    names none) and the reply it should get."""
+    if item.template and item.template != "eval" or item.unanswerable:
+        rendered = render(item.template or "eval", tok, item.question, chunks,
+                          target_reply(item, item.template or "eval"))
+        return example_from_prompt(tok, rendered.prompt, rendered.chunk_texts,
+                                   rendered.completion, positions=cfg.positions,
+                                   anchor_ids=anchor)
+    return build_example(tok, item.question, chunks, item.answers[0], positions=cfg.positions,
+                         doc_tokens=cfg.doc_tokens, anchor_ids=anchor)
+
+
+def lora_deltas(peft_model) -> dict:
+    """{module name in the base model: (A, B, scale)} of a peft LoRA model."""
+    out = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            base_name = name.removeprefix("base_model.model.")
+            out[base_name] = (module.lora_A["default"].weight, module.lora_B["default"].weight,
+                              module.scaling["default"])
+    return out
 
 
 def _subset_chunks(item, max_chunks: int | None, rng: random.Random) -> list[str]:
@@ -66,11 +105,12 @@ def finetune(cfg: FinetuneConfig, *, loaded=None, log: Callable[[str], None] = p
         log(f"skipping {len(report.errors)} malformed lines: {report.errors[:3]}")
     if not report.items:
         raise ValueError(f"no training items in {cfg.data}")
+    base_weights = weights_digest(model)
     new_ids = add_doc_tokens(tok, model) if cfg.doc_tokens else []
-    examples = [build_example(tok, it.question, _subset_chunks(it, cfg.max_chunks, rng),
-                              it.answers[0], positions=cfg.positions, doc_tokens=cfg.doc_tokens)
+    anchor = anchor_ids(cfg.anchor, tok)
+    examples = [make_example(tok, it, _subset_chunks(it, cfg.max_chunks, rng), cfg, anchor)
                 for it in report.items]
-    window = loaded.context_window
+    window = min(loaded.context_window, cfg.max_tokens)
     examples = [e for e in examples if len(e.input_ids) <= window]
     log(f"{len(examples)} examples, median {sorted(len(e.input_ids) for e in examples)[len(examples) // 2]} tokens")
 
@@ -111,11 +151,16 @@ def finetune(cfg: FinetuneConfig, *, loaded=None, log: Callable[[str], None] = p
             recent = losses[-10:]
             log(f"step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.4f} "
                 f"({time.perf_counter() - t0:.0f}s)")
-    if cfg.lora:
-        model = model.merge_and_unload()
-    model.eval()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.lora:
+        if not new_ids:  # an adapter cannot carry new vocabulary
+            save_adapter(out / "adapter.safetensors", lora_deltas(model), base_weights,
+                         meta={"base_model": loaded.name, "anchor": cfg.anchor,
+                               "steps": cfg.steps, "lr": cfg.lr, "rank": cfg.lora_rank,
+                               "seed": cfg.seed, "data": Path(cfg.data).name})
+        model = model.merge_and_unload()
+    model.eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
     summary = {"steps": cfg.steps, "examples": len(examples), "first_loss": losses[0],
