@@ -54,46 +54,15 @@ LANGCHAIN_RAG_PROMPT = (
 
 # ---- data -------------------------------------------------------------------------------------
 def load_jsonl(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
-    """Items and (line number, reason) for each malformed line. Unanswerable items may have no
-    answers; answerable ones need at least one."""
-    items, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                errors.append((n, f"invalid JSON: {exc.msg} (column {exc.colno})"))
-                continue
-            try:
-                if not isinstance(d, dict):
-                    raise ValueError("not a JSON object")
-                question, answers, chunks = d.get("question"), d.get("answers", []), d.get("chunks")
-                unanswerable = d.get("unanswerable", False)
-                if not isinstance(question, str) or not question.strip():
-                    raise ValueError("'question' must be a non-empty string")
-                if not isinstance(unanswerable, bool):
-                    raise ValueError("'unanswerable' must be true or false")
-                if isinstance(answers, str):
-                    answers = [answers]
-                if answers is None:
-                    answers = []
-                if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
-                    raise ValueError("'answers' must be a list of strings")
-                if not unanswerable and not any(a.strip() for a in answers):
-                    raise ValueError("an answerable item needs a non-empty 'answers'")
-                if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
-                    raise ValueError("'chunks' must be a list of strings")
-                chunks = [c for c in chunks if c.strip()]
-                if not chunks:
-                    raise ValueError("'chunks' holds no text")
-                items.append({"id": str(d.get("id", f"line{n}")), "question": question,
-                              "answers": answers, "chunks": chunks,
-                              "unanswerable": unanswerable, "line": n})
-            except ValueError as exc:
-                errors.append((n, str(exc)))
-    return items, errors
+    """Items (as dicts) and (line number, reason) for each malformed line: the harness's reader,
+    so both judge the same lines the same way."""
+    from turborag_integrations.evaluation.harness import load_items
+
+    report = load_items(path)
+    items = [{"id": it.id, "question": it.question, "answers": it.answers, "chunks": it.chunks,
+              "unanswerable": it.unanswerable, "line": it.line} for it in report.items
+             if it.chunks]
+    return items, report.errors
 
 
 def parse_value(text: str):

@@ -111,7 +111,10 @@ def test_condense_plus_context_chat_engine(index, engine, streaming):
 
 
 def test_chat_engine_single_chunk_equals_full_prefill(index, engine):
-    llm = TurboRAGLLM(engine, max_new_tokens=16, messages_to_prompt=plain_join)
+    """A prompt that opens with the text chunks are encoded after (the engine's anchor), then
+    the retrieved chunk: stitching is exact there, token for token."""
+    llm = TurboRAGLLM(engine, max_new_tokens=16,
+                      messages_to_prompt=lambda ms: engine.anchor_text + plain_join(ms))
     results = []
     for model in (llm, llm.baseline()):
         chat = CondensePlusContextChatEngine.from_defaults(
