@@ -73,7 +73,9 @@ def test_stock_templates_reuse_the_retrieved_chunks(index, engine, llm_events, m
 @pytest.mark.parametrize("streaming", [False, True], ids=["sync", "stream"])
 @pytest.mark.parametrize("mode", MODES)
 def test_single_chunk_answer_equals_full_prefill(index, engine, mode, streaming):
-    llm = TurboRAGLLM(engine, max_new_tokens=16, messages_to_prompt=plain_join)
+    """One retrieved chunk right after the anchor's text: exact, token for token."""
+    llm = TurboRAGLLM(engine, max_new_tokens=16,
+                      messages_to_prompt=lambda ms: engine.anchor_text + plain_join(ms))
     naive = llm.baseline()
     answers = {}
     for name, model in (("turbo", llm), ("naive", naive)):
