@@ -36,11 +36,29 @@ def test_question_answered_from_three_stitched_chunks(smollm2, tmp_path):
 
 
 def test_single_chunk_turbo_equals_full_prefill_on_real_model(smollm2, tmp_path):
+    """Right after the text it was encoded after (the chat anchor), a chunk is exact."""
     engine = TurboRAGEngine(smollm2, store=tmp_path / "kv", cache_prefix=False)
+    assert engine.anchor_text.startswith("<|im_start|>system")
     engine.encode_chunks([LIGHTHOUSE])
-    prompt = LIGHTHOUSE + "\nQuestion: How high is the Tall Widow?\nAnswer:"
+    prompt = engine.anchor_text + LIGHTHOUSE + "\nQuestion: How high is the Tall Widow?\nAnswer:"
     config = GenerationConfig(max_new_tokens=12)
     turbo = engine.generate(prompt, chunks=[LIGHTHOUSE], config=config)
     naive = engine.generate(prompt, config=config, mode="naive")
     assert turbo.stats.reused_tokens > 30
     assert turbo.token_ids == naive.token_ids
+
+
+def test_bundled_model_gets_its_adapter_by_default(smollm2, tmp_path):
+    from turborag_integrations.core.adapter import bundled_adapter
+    from turborag_integrations.core.models import load_model
+
+    shipped = bundled_adapter(smollm2.name)
+    if shipped is None:
+        pytest.skip("no adapter shipped for the bundled model in this checkout")
+    adapted = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    assert adapted.adapter == shipped
+    plain = TurboRAGEngine(load_model(smollm2.name, progress=False), store=tmp_path / "kv",
+                           adapter=None)
+    assert plain.adapter is None
+    assert plain.fingerprint.weights != adapted.fingerprint.weights
+    assert plain.chunk_key(LIGHTHOUSE) != adapted.chunk_key(LIGHTHOUSE)

@@ -61,6 +61,7 @@ def save_adapter(path: str | Path, deltas: dict[str, tuple[torch.Tensor, torch.T
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=header)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; an adapter is meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
