@@ -87,3 +87,25 @@ def test_lora_finetune_writes_an_adapter_the_engine_merges(tmp_path):
     fresh = tiny_model("llama")
     engine = TurboRAGEngine(fresh, store=tmp_path / "kv", adapter=out / "adapter.safetensors")
     assert engine.fingerprint.weights != digest
+
+
+def test_engines_sharing_a_model_never_merge_a_default_adapter_behind_its_back(tmp_path,
+                                                                              monkeypatch):
+    """The evaluation harness makes sibling engines (other anchors) on one model: a base-model
+    run (adapter=None) must stay the base model even where a default adapter exists."""
+    import json as _json
+
+    from turborag_integrations.core import engine as engine_mod
+    from turborag_integrations.evaluation.harness import evaluate, load_items
+
+    base = tiny_model("llama")
+    path = save_adapter(tmp_path / "a.safetensors", _deltas(base.model), weights_digest(base.model))
+    monkeypatch.setattr(engine_mod, "bundled_adapter", lambda name: path)
+    engine = TurboRAGEngine(base, store=tmp_path / "kv", adapter=None)
+    before = weights_digest(base.model)
+    data = tmp_path / "d.jsonl"
+    data.write_text(_json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                                 "chunks": ["Tamsin did.", "Orrin not."]}))
+    evaluate(engine, load_items(data).items, ["naive", "turbo@none", "turbo@bos"],
+             max_new_tokens=2)
+    assert weights_digest(base.model) == before

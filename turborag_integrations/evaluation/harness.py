@@ -139,8 +139,10 @@ def _with_anchor(engine, anchor: str | None, head: str):
         return engine
     from ..core.engine import TurboRAGEngine
 
+    # adapter=None: the model is already what the parent engine made it (an adapter merges into
+    # the weights in place, so a sibling must never merge one again)
     return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec)
+                          progress=False, anchor=spec, adapter=None)
 
 
 def _median(xs: Sequence[float]) -> float:
