@@ -119,12 +119,16 @@ class TurboRAGEngine:
         return self.loaded.context_window
 
     def chunk_key(self, text: str) -> str:
-        # Retrieved chunks come back query after query; remember their keys rather than
-        # tokenizing 4K tokens of text again on the TTFT path.
-        digest = xxhash.xxh3_128_hexdigest(text.encode())
+        """Key of the (anchored) blob of a chunk."""
+        return self._key(text, self.encoder)
+
+    def _key(self, text: str, encoder: ChunkEncoder) -> str:
+        # Retrieved chunks and prompt heads come back query after query; remember their keys
+        # rather than tokenizing 4K tokens of text again on the TTFT path.
+        digest = encoder.fingerprint.encoding + "|" + xxhash.xxh3_128_hexdigest(text.encode())
         key = self._keys.get(digest)
         if key is None:
-            key = chunk_key(self.fingerprint, self.encoder.tokenize(text))
+            key = chunk_key(encoder.fingerprint, encoder.tokenize(text))
             with self._keys_lock:
                 if len(self._keys) >= 65536:
                     self._keys.pop(next(iter(self._keys)))
@@ -176,18 +180,17 @@ class TurboRAGEngine:
 
     def prefix_key(self, text: str) -> str:
         """Key of the plain (unanchored) blob of a prompt head."""
-        return chunk_key(self.prefix_fingerprint, self.prefix_encoder.tokenize(text))
+        return self._key(text, self.prefix_encoder)
 
     def prefix_blob(self, text: str, *, encode_missing: bool = True) -> KVBlob | None:
         """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill."""
         try:
-            ids = self.prefix_encoder.tokenize(text)
+            key = self.prefix_key(text)
         except EmptyChunkError:
             return None
-        key = chunk_key(self.prefix_fingerprint, ids)
         blob = self.store.get(key, self.prefix_fingerprint)
         if blob is None and encode_missing:
-            blob = self.prefix_encoder.encode_ids([ids])[0]
+            blob = self.prefix_encoder.encode(text)
             self.store.put(blob)
         return blob
 

@@ -64,7 +64,7 @@ class FinetuneConfig:
 def make_example(tok, item, chunks, cfg: FinetuneConfig, anchor: list[int]):
     """The training example of one item: its template's prompt (the evaluation prompt when it
     names none) and the reply it should get."""
-    if item.template and item.template != "eval" or item.unanswerable:
+    if (item.template or "eval") != "eval" or item.unanswerable:
         rendered = render(item.template or "eval", tok, item.question, chunks,
                           target_reply(item, item.template or "eval"))
         return example_from_prompt(tok, rendered.prompt, rendered.chunk_texts,
