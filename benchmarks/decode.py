@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from turborag_integrations.core.decode import FastDecoder, int8_available
+from turborag_integrations.core.decode.fast import FastDecoder, int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig, decode_loop
+from turborag_integrations.core.decode.loop import decode_loop
+from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.store import KVStore
 

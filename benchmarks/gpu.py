@@ -39,14 +39,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import byte_tokenizer, tiny_model  # noqa: E402
-from turborag_integrations.core.cache import KVCache  # noqa: E402
-from turborag_integrations.core.decode import FastDecoder, stock_step  # noqa: E402
+from turborag_integrations.core.prefill.cache import KVCache  # noqa: E402
+from turborag_integrations.core.decode.fast import FastDecoder, stock_step  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
-from turborag_integrations.core.generate import GenerationConfig  # noqa: E402
+from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
 from turborag_integrations.core.models import LoadedModel  # noqa: E402
 from turborag_integrations.core.rapid import RapidEngine, Side, target_greedy  # noqa: E402
-from turborag_integrations.core.stitch import Segment  # noqa: E402
-from turborag_integrations.core.stitch import plan_prompt, reference_forward  # noqa: E402
+from turborag_integrations.core.prefill.stitch import Segment  # noqa: E402
+from turborag_integrations.core.prefill.stitch import plan_prompt, reference_forward  # noqa: E402
 from turborag_integrations.core.store import KVStore  # noqa: E402
 
 # Published architectures (config.json of Qwen/Qwen2.5-0.5B-Instruct and -1.5B-Instruct).
@@ -263,7 +263,7 @@ def speed(device, context: int, chunk: int, gamma: int, drafter_tokens: int, tmp
 
     def verify():
         side.feed([100] * (gamma + 1), keep=gamma + 1, verify=True)
-        side.rollback(gamma + 1)
+        side.truncate(side.cache.length - (gamma + 1))
     res["verify_s"] = timed(verify, device)
     del cache, side
     if device.type == "cuda":

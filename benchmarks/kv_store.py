@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ttft import make_chunks  # noqa: E402
 
-from turborag_integrations.core.chunking import split_text  # noqa: E402
+from turborag_integrations.core.retrieval.chunking import split_text  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
-from turborag_integrations.core.generate import GenerationConfig  # noqa: E402
+from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
 from turborag_integrations.core.models import DEFAULT_MODEL, load_model  # noqa: E402
-from turborag_integrations.core.stitch import assemble, plan_prompt, Segment  # noqa: E402
+from turborag_integrations.core.prefill.stitch import assemble, plan_prompt, Segment  # noqa: E402
 from turborag_integrations.core.store import KVStore  # noqa: E402
 
 SAMPLE_DOCS = Path(__file__).resolve().parents[1] / "turborag_integrations" / "data" / "sample_docs"
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
         load_and_assemble(native, warm_store, keys, texts)  # warm-up; fills the memory tier
         for _ in range(args.runs):
             drop_page_cache(paths)
-            cold_store = KVStore(Path(tmp) / "native", memory_bytes=0)
-            cold.append(load_and_assemble(native, cold_store, keys, texts))
+            with KVStore(Path(tmp) / "native", memory_bytes=0) as cold_store:
+                cold.append(load_and_assemble(native, cold_store, keys, texts))
             warm.append(load_and_assemble(native, warm_store, keys, texts))
         out["load_s"] = {"cold": statistics.median(cold), "warm": statistics.median(warm)}
 
@@ -132,9 +132,9 @@ def main(argv=None) -> int:
         for _ in range(args.runs):
             for mode in ("off", "on"):
                 drop_page_cache(paths)
-                native.store = KVStore(Path(tmp) / "native", memory_bytes=2 << 30)
-                native.prefetch = mode == "on"
-                ttft[mode].append(native.generate(prompt, chunks=texts, config=one).stats.ttft_s)
+                with KVStore(Path(tmp) / "native", memory_bytes=2 << 30) as native.store:
+                    native.prefetch = mode == "on"
+                    ttft[mode].append(native.generate(prompt, chunks=texts, config=one).stats.ttft_s)
         native.prefetch = False
         out["prefetch_ttft_s"] = {k: statistics.median(v) for k, v in ttft.items()}
 

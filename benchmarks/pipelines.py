@@ -89,7 +89,7 @@ class LlamaIndexPipeline:
     def __init__(self, engine, workdir: Path, max_new_tokens: int):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-        from turborag_integrations.core.embedding import default_embedding_path
+        from turborag_integrations.core.retrieval.embedding import default_embedding_path
         from turborag_integrations.llama_index import TurboRAGLLM
 
         self.engine = engine

@@ -43,7 +43,7 @@ def plot_concepts() -> Path:
     """The independent-attention mask and the two position layouts of one small prompt."""
     import torch
 
-    from turborag_integrations.core.stitch import independent_attention_mask
+    from turborag_integrations.core.prefill.stitch import independent_attention_mask
 
     parts = [("sys", 2, False), ("chunk A", 4, True), ("glue", 1, False), ("chunk B", 3, True),
              ("question", 3, False)]

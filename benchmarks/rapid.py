@@ -10,7 +10,7 @@ drafter, reading the whole context (its cache a copy of the target's); (c) RAPID
 reads only the chunks retrieved for the question (≤ min(4096, |C|/λ) tokens). Self-speculation
 throughout: one model, so RAPID's gain is the drafter's shorter context. Also reports what a
 (γ + 1)-token verification forward costs in one-token steps, with the split attention of
-core/rapid_attention.py and with stock SDPA.
+core/attention.py and with stock SDPA.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig, decode_loop
+from turborag_integrations.core.decode.loop import decode_loop
+from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.rapid import RapidEngine, Side, speculate
 from turborag_integrations.core.store import KVStore
@@ -79,7 +80,7 @@ def verify_cost(engine, pre, gamma, reps=3):
             t0 = time.perf_counter()
             side.feed([100] * k, keep=k, verify=split)
             times.append(time.perf_counter() - t0)
-            side.rollback(pre.cache.length - base)
+            side.truncate(base)
         res[name] = statistics.median(times)
     return res
 

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig
+from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.store import KVStore
 

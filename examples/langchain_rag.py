@@ -26,7 +26,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from turborag_integrations.core.chunking import split_text
+from turborag_integrations.core.retrieval.chunking import split_text
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.langchain import (KVCachingVectorStore, TurboRAGChatModel,
                                              TurboRAGRunCollector)

@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from turborag_integrations.core.embedding import default_embedding_path
+    from turborag_integrations.core.retrieval.embedding import default_embedding_path
     from turborag_integrations.core.engine import TurboRAGEngine
     from turborag_integrations.core.models import cache_dir
     from turborag_integrations.llama_index import TurboRAGLLM

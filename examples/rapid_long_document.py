@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.rapid import long_document  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
-from turborag_integrations.core.generate import GenerationConfig  # noqa: E402
+from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
 from turborag_integrations.core.rapid import RapidEngine, target_greedy  # noqa: E402
 
 QUESTIONS = [

@@ -83,6 +83,22 @@ def test_store_verify_finds_corruption(tmp_path, docs, model_dir):
     assert code == 1 and "checksum" in out
 
 
+def test_store_gc_shrinks_the_store_to_a_size(tmp_path, docs, model_dir):
+    ws = tmp_path / "ws"
+    run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 16)
+    code, out = run("store", "stats", "--store", ws, "--json")
+    before = last_json(out)
+    assert code == 0 and before["blobs"] >= 4 and before["budget_bytes"] > before["bytes"]
+    target = before["bytes"] // 2
+    code, out = run("store", "gc", "--store", ws, "--max-bytes", f"{target / 1000:.3f}kB")
+    assert code == 0, out
+    assert "cold blob(s) evicted" in out
+    after = last_json(run("store", "stats", "--store", ws, "--json")[1])
+    assert 0 < after["bytes"] <= target and after["blobs"] < before["blobs"]
+    code, out = run("store", "gc", "--store", ws, "--max-bytes", "lots")
+    assert code == 2 and "not a size" in out
+
+
 def test_clear_errors(tmp_path, docs, model_dir):
     code, out = run("ask", "anything", "--store", tmp_path / "empty", "--model", model_dir)
     assert code == 2 and "no documents yet" in out
@@ -108,3 +124,25 @@ def test_ask_rapid_mode(tmp_path, docs, model_dir):
     report = last_json(out)
     assert report["mode"] == "rapid" and report["target_prompt_tokens"] > 0
     assert 0.0 <= report["acceptance_rate"] <= 1.0
+
+
+def test_demo_runs_in_a_temporary_workspace_and_keeps_the_blobs(tmp_path, docs, model_dir):
+    kv = tmp_path / "kv"
+    code, out = run("demo", "Which ship has a blue hull?", "--docs", docs, "--model", model_dir,
+                    "--store", kv, "--chunk-tokens", 64, "--max-new-tokens", 4)
+    assert code == 0, out
+    assert "sources: a.md" in out  # named within --docs; the ship's document is retrieved
+    assert "TTFT TurboRAG:" in out and "TTFT full prefill:" in out and "x slower" in out
+    assert any(kv.rglob("*.safetensors"))  # the blobs outlive the run's workspace
+    code, out = run("demo", "--docs", tmp_path / "missing", "--model", model_dir, "--store", kv)
+    assert code == 2 and "no such file or folder" in out
+
+
+def test_temporary_workspace_is_deleted_on_exit(tmp_path, docs, model_dir):
+    from turborag_integrations.workspace import Workspace
+
+    with Workspace.temporary(kv_dir=tmp_path / "kv", model=model_dir, chunk_tokens=64) as ws:
+        assert ws.ingest([docs])["ingested"] == 3
+        root = ws.root
+        assert (root / "chroma").exists() and not (root / "kv").exists()
+    assert not root.exists() and any((tmp_path / "kv").rglob("*.safetensors"))

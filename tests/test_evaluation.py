@@ -182,3 +182,19 @@ def test_finetuned_modes_agree_with_their_own_naive_reply(tmp_path):
     # recomputing every chunk token is a full prefill: the same reply as ft:naive
     assert res["modes"]["ft:turbo+boundary:100000"]["agreement"] == 100
     assert res["modes"]["naive"]["agreement"] == 100
+
+
+def test_evaluation_never_imports_training():
+    """Training builds on evaluation (items, prompt, dev set); the reverse would be a cycle."""
+    import ast
+    from pathlib import Path
+
+    import turborag_integrations.evaluation as evaluation
+
+    for path in Path(evaluation.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            # `from ..training.x import y`, `from .. import training`, `import ...training`
+            names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+            assert not any("training" in n.split(".") for n in names), (path.name, names)

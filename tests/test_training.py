@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.stitch import plan_prompt, prefill
+from turborag_integrations.core.prefill.stitch import plan_prompt, prefill
 from turborag_integrations.evaluation.prompt import build_prompt
 from turborag_integrations.training.collator import (IGNORE, TurboRAGCollator, add_doc_tokens,
                                                      answer_loss, build_example, forward_logits)
@@ -91,6 +91,19 @@ def test_finetune_saves_a_folder_the_engine_loads(tmp_path, lora):
     engine = TurboRAGEngine(str(out), store=tmp_path / "kv", progress=False)
     prompt, texts = build_prompt(engine.tokenizer, Q, CHUNKS, doc_tokens=True)
     engine.encode_chunks(texts)
-    from turborag_integrations.core.generate import GenerationConfig
+    from turborag_integrations.core.settings import GenerationConfig
     res = engine.generate(prompt, chunks=texts, config=GenerationConfig(max_new_tokens=2))
     assert res.stats.cache_hits == len(CHUNKS)
+
+
+def test_finetune_command_is_registered_from_training():
+    from typer.testing import CliRunner
+
+    from turborag_integrations.cli import app
+    from turborag_integrations.training.cli import finetune_command
+
+    assert any(c.callback is finetune_command for c in app.registered_commands)
+    result = CliRunner().invoke(app, ["finetune", "--help"])
+    assert result.exit_code == 0 and "--lora-rank" in result.output
+    result = CliRunner().invoke(app, ["finetune", "out", "--positions", "diagonal"])
+    assert result.exit_code == 2 and "positions must be reordered or composite" in result.output

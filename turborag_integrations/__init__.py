@@ -6,7 +6,8 @@ only when used.
 """
 
 from .core.engine import GenerationResult, TurboRAGEngine
-from .core.generate import GenerationConfig, GenerationStats
+from .core.run import GenerationStats
+from .core.settings import GenerationConfig
 from .core.store import KVStore
 
 __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats", "KVStore"]

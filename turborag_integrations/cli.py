@@ -15,7 +15,6 @@ app.add_typer(models_app, name="models")
 
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
-SYSTEM = "Answer the question using only the context. Be brief."
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -23,20 +22,30 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _read_docs(folder: Path) -> dict[str, str]:
-    if not folder.exists():
-        _fail(f"no such folder: {folder}")
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".md", ".txt"})
-    if not files:
-        _fail(f"no .md or .txt files under {folder}")
-    return {str(p.relative_to(folder)): p.read_text(encoding="utf-8", errors="replace")
-            for p in files}
+def _ingest(ws, paths, *, quiet: bool = False) -> dict:
+    """`ws.ingest(paths)` with a progress bar of files on stderr (none when quiet)."""
+    from tqdm import tqdm
+
+    with tqdm(desc="ingesting", unit="file", disable=quiet) as bar:
+        def progress(path, done, total):
+            bar.total = total
+            bar.set_postfix_str(Path(path).name[-30:])
+            bar.update(done - bar.n)
+        return ws.ingest(paths, progress=progress)
+
+
+def _echo_stream(answer, *, quiet: bool = False) -> None:
+    """Print an answer as it streams; quiet runs it to the end without printing."""
+    for delta in answer:
+        if not quiet:
+            typer.echo(delta, nl=False)
 
 
 @app.command()
 def demo(
     question: str = typer.Argument(DEFAULT_QUESTION, help="what to ask"),
-    docs: Path = typer.Option(SAMPLE_DOCS, help="folder of .md/.txt documents"),
+    docs: Path = typer.Option(SAMPLE_DOCS,
+                              help="folder of documents (.txt .md .rst .html .pdf)"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
     top_k: int = typer.Option(4, help="chunks to retrieve"),
@@ -46,49 +55,39 @@ def demo(
                                 "for the bundled model) | none | a file"),
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
-    from tqdm import tqdm
-
-    from .core.chunking import split_text
-    from .core.engine import TurboRAGEngine
     from .core.errors import TurboRAGError
-    from .core.generate import GenerationConfig
-    from .core.retrieval import ChunkRetriever
+    from .core.settings import GenerationConfig
+    from .workspace import Workspace
 
+    # A workspace for this run only: the documents are indexed afresh each time, while their
+    # chunk blobs stay in the KV store, so a rerun reuses them.
     try:
-        engine = TurboRAGEngine(model, store=store, adapter=adapter)
-        texts = _read_docs(docs)
-        chunks, sources = [], []
-        for name, text in texts.items():
-            for chunk in split_text(text, engine.tokenizer, chunk_tokens):
-                chunks.append(chunk)
-                sources.append(name)
-        with tqdm(total=len(chunks), desc="encoding chunk KV", unit="chunk") as bar:
-            engine.encode_chunks(chunks, doc_ids=sources,
-                                 progress=lambda done, total: bar.update(done - bar.n))
-        hits = ChunkRetriever(chunks).search(question, k=top_k)
-        engine.warmup()
-        context = "\n\n".join(h.text for h in hits)
-        prompt = engine.render_chat([
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}])
-        retrieved = [h.text for h in hits]
-        typer.secho(f"\nQ: {question}", bold=True)
-        typer.echo("A: ", nl=False)
-        stream = engine.stream(prompt, chunks=retrieved,
-                               config=GenerationConfig(max_new_tokens=max_new_tokens))
-        for delta in stream:
-            typer.echo(delta, nl=False)
-            sys.stdout.flush()
-        turbo = stream.result.stats
-        full = engine.generate(prompt, config=GenerationConfig(max_new_tokens=1), mode="naive").stats
+        with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
+                                 adapter=adapter) as ws:
+            _ingest(ws, [docs])
+            ws.engine.warmup()  # so that neither timed path pays for first-call set-up
+            answer = ws.ask(question, k=top_k,
+                            config=GenerationConfig(max_new_tokens=max_new_tokens))
+            typer.secho(f"\nQ: {question}", bold=True)
+            typer.echo("A: ", nl=False)
+            _echo_stream(answer)
+            full_prefill_ttft = ws.full_prefill_ttft(answer)
     except TurboRAGError as exc:
         _fail(str(exc))
-    typer.echo("\n\nsources: " + ", ".join(sorted({sources[h.index] for h in hits})))
+    _print_demo_report(answer, full_prefill_ttft, docs)
+
+
+def _print_demo_report(answer, full_prefill_ttft: float, docs: Path) -> None:
+    """The demo's sources (named within the documents folder) and TTFT against full prefill."""
+    names = {str(Path(s.path).relative_to(docs)) if Path(s.path).is_relative_to(docs)
+             else Path(s.path).name for s in answer.sources}
+    turbo = answer.stats
+    typer.echo("\n\nsources: " + ", ".join(sorted(names)))
     typer.echo(f"prompt: {turbo.prompt_tokens} tokens, {turbo.reused_tokens} reused from the KV "
                f"store, {turbo.prefilled_tokens} prefilled")
     typer.echo(f"TTFT TurboRAG:     {turbo.ttft_s * 1000:8.1f} ms")
-    typer.echo(f"TTFT full prefill: {full.ttft_s * 1000:8.1f} ms   "
-               f"({full.ttft_s / turbo.ttft_s:.1f}x slower)")
+    typer.echo(f"TTFT full prefill: {full_prefill_ttft * 1000:8.1f} ms   "
+               f"({full_prefill_ttft / turbo.ttft_s:.1f}x slower)")
 
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the KV store.")
@@ -123,18 +122,11 @@ def ingest(
     """Chunk, embed and encode KV blobs for documents. Reruns skip what is already in."""
     import json
 
-    from tqdm import tqdm
-
     from .core.errors import TurboRAGError
 
     ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter)
     try:
-        with tqdm(desc="ingesting", unit="file", disable=json_out) as bar:
-            def progress(path, done, total):
-                bar.total = total
-                bar.set_postfix_str(Path(path).name[-30:])
-                bar.update(done - bar.n)
-            counts = ws.ingest(paths, progress=progress)
+        counts = _ingest(ws, paths, quiet=json_out)
     except TurboRAGError as exc:
         _fail(str(exc))
     if json_out:
@@ -197,7 +189,7 @@ def ask(
     import json
 
     from .core.errors import TurboRAGError
-    from .core.generate import GenerationConfig
+    from .core.settings import GenerationConfig
 
     if mode not in ("turbo", "naive", "rapid"):
         _fail(f"--mode must be turbo, naive or rapid, not {mode!r}")
@@ -211,9 +203,7 @@ def ask(
             _fail(str(exc))
         answer = (ws.ask_rapid(question, k=top_k, config=config) if mode == "rapid"
                   else ws.ask(question, k=top_k, mode=mode, config=config))
-        for delta in answer:
-            if not json_out:
-                typer.echo(delta, nl=False)
+        _echo_stream(answer, quiet=json_out)
         report = (_print_rapid(answer, json_out) if mode == "rapid"
                   else _print_answer(ws, answer, compare, json_out))
     except TurboRAGError as exc:
@@ -231,7 +221,7 @@ def chat(
 ):
     """Ask questions in a loop (empty line or Ctrl-D to quit); earlier turns are kept."""
     from .core.errors import TurboRAGError
-    from .core.generate import GenerationConfig
+    from .core.settings import GenerationConfig
 
     ws = _workspace(store, model)
     history: list[dict] = []
@@ -245,8 +235,7 @@ def chat(
         try:
             answer = ws.ask(question, k=top_k, history=history[-4:],
                             config=GenerationConfig(max_new_tokens=max_new_tokens))
-            for delta in answer:
-                typer.echo(delta, nl=False)
+            _echo_stream(answer)
             _print_answer(ws, answer, False, False)
         except TurboRAGError as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
@@ -258,17 +247,18 @@ def chat(
 @store_app.command("stats")
 def store_stats(store: Optional[Path] = StoreOpt,
                 json_out: bool = typer.Option(False, "--json")):
-    """Blobs, bytes on disk and documents of a workspace's KV store."""
+    """Blobs, bytes on disk (prompt-head and RAPID prefix blobs apart), budgets and documents of
+    a workspace's KV store."""
     import json
 
     from .core.store import KVStore
 
     ws = _workspace(store)
-    kv = KVStore(ws.root / "kv", memory_bytes=0)
+    kv = KVStore(ws.kv_dir, memory_bytes=0)
     usage = kv.disk_usage()
     docs = ws.collection.count()
-    report = {"workspace": str(ws.root), "model": ws.model_name, "blobs": usage["blobs"],
-              "bytes": usage["bytes"], "chunks_indexed": docs}
+    report = {"workspace": str(ws.root), "model": ws.model_name, **usage,
+              "chunks_indexed": docs}
     if json_out:
         typer.echo(json.dumps(report))
     else:
@@ -286,7 +276,7 @@ def store_verify(store: Optional[Path] = StoreOpt,
     from .core.store import KVStore
 
     ws = _workspace(store)
-    problems = KVStore(ws.root / "kv", memory_bytes=0).verify(remove=remove)
+    problems = KVStore(ws.kv_dir, memory_bytes=0).verify(remove=remove)
     if json_out:
         typer.echo(json.dumps({"corrupted": problems}))
     else:
@@ -298,11 +288,27 @@ def store_verify(store: Optional[Path] = StoreOpt,
 
 
 @store_app.command("gc")
-def store_gc(store: Optional[Path] = StoreOpt):
-    """Delete blobs of other model setups than the workspace's model."""
+def store_gc(store: Optional[Path] = StoreOpt,
+             max_bytes: Optional[str] = typer.Option(
+                 None, "--max-bytes", help="then evict the coldest blobs until the store holds at "
+                 "most this much: 2GB, 500MiB, 1073741824 (0 empties it)")):
+    """Delete blobs of other model setups than the workspace's model (and temp files of dead
+    writers); with --max-bytes, then shrink the store to that size, coldest blobs first."""
+    from .core.store import parse_size
+    from .core.store.budget import format_size
+
+    try:
+        limit = parse_size(max_bytes) if max_bytes is not None else None
+    except ValueError as exc:
+        _fail(f"--max-bytes: {exc}")
     ws = _workspace(store)
-    deleted = ws.engine.store.gc(keep=ws.engine.fingerprint)
+    kv = ws.engine.store
+    deleted = kv.gc(keep=ws.engine.fingerprint)
     typer.echo(f"{len(deleted)} blob(s) of other models deleted")
+    if limit is not None:
+        evicted = kv.shrink(limit)
+        typer.echo(f"{len(evicted)} cold blob(s) evicted; the store holds "
+                   f"{format_size(kv.disk_usage()['bytes'])} (at most {format_size(limit)})")
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -319,35 +325,35 @@ def _bench(name: str, args: list[str]) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-_BENCH_CTX = {"allow_extra_args": True, "ignore_unknown_options": True}
+# command name: (script in benchmarks/, help)
+BENCH_SCRIPTS = {
+    "ttft": ("ttft", "benchmarks/ttft.py: full prefill vs TurboRAG TTFT (flags pass through)."),
+    "store": ("kv_store", "benchmarks/kv_store.py: bytes per token, load times, int8 fidelity."),
+    "rapid": ("rapid", "benchmarks/rapid.py: RAPID vs the long-context target."),
+    "decode": ("decode", "benchmarks/decode.py: decode tokens/s."),
+}
 
 
-@bench_app.command("ttft", context_settings=_BENCH_CTX)
-def bench_ttft(ctx: typer.Context):
-    """benchmarks/ttft.py: full prefill vs TurboRAG TTFT (flags pass through)."""
-    _bench("ttft", ctx.args)
+def _bench_command(script: str):
+    def run_script(ctx: typer.Context) -> None:
+        _bench(script, ctx.args)
+    return run_script
 
 
-@bench_app.command("store", context_settings=_BENCH_CTX)
-def bench_store(ctx: typer.Context):
-    """benchmarks/kv_store.py: bytes per token, load times, int8 fidelity."""
-    _bench("kv_store", ctx.args)
+def _register_bench_commands() -> None:
+    # unknown options and extra arguments are the script's: they pass through untouched
+    passthrough = {"allow_extra_args": True, "ignore_unknown_options": True}
+    for command, (script, help_text) in BENCH_SCRIPTS.items():
+        bench_app.command(command, help=help_text,
+                          context_settings=passthrough)(_bench_command(script))
 
 
-@bench_app.command("rapid", context_settings=_BENCH_CTX)
-def bench_rapid(ctx: typer.Context):
-    """benchmarks/rapid.py: RAPID vs the long-context target."""
-    _bench("rapid", ctx.args)
-
-
-@bench_app.command("decode", context_settings=_BENCH_CTX)
-def bench_decode(ctx: typer.Context):
-    """benchmarks/decode.py: decode tokens/s."""
-    _bench("decode", ctx.args)
+_register_bench_commands()
 
 
 def _register_accuracy_commands() -> None:
-    from .evaluation.cli import eval_command, finetune_command
+    from .evaluation.cli import eval_command
+    from .training.cli import finetune_command
 
     app.command("eval", help="Evaluate accuracy and TTFT of naive, turbo and recovery modes on "
                 "a JSONL set (default: the bundled dev test split).")(eval_command)

@@ -5,6 +5,9 @@ The command line and the example web app are thin shells around this class:
     ws = Workspace()                         # ~/.cache/turborag/workspace (or TURBORAG_WORKSPACE)
     ws.ingest(["docs/"])                     # chunk, embed, encode KV blobs; reruns skip what's done
     answer = ws.ask("What is ...?")          # stream(), sources, stats
+
+    with Workspace.temporary() as ws:        # for one run (`turborag demo`): only the blobs stay
+        ...
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from .core.chunking import split_text
-from .core.embedding import DEFAULT_EMBEDDING, load_embedder
+from .core.retrieval.chunking import split_text
+from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
 from .core.engine import GenerationStream, TurboRAGEngine
 from .core.errors import TurboRAGError
-from .core.generate import GenerationConfig
+from .core.settings import GenerationConfig
 from .core.models import DEFAULT_MODEL, cache_dir
-from .core.store import KVStore
+from .core.store import KVStore, default_store_path
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
 HTML_SUFFIXES = {".html", ".htm"}
@@ -144,16 +149,33 @@ class Workspace:
         self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
         self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
         self.adapter = adapter or (manifest or {}).get("adapter") or "default"
+        self.kv_dir = self.root / "kv"
         self._engine = engine
         self._embedder = None
         self._collection = None
         self._rapid = None
 
+    @classmethod
+    @contextmanager
+    def temporary(cls, *, kv_dir: str | Path | None = None, **options) -> Iterator[Workspace]:
+        """A workspace for one run, in a temporary folder deleted on exit.
+
+        Its KV blobs go to `kv_dir` (default: the engines' shared store, ~/.cache/turborag/kv
+        or $TURBORAG_STORE) and outlive it, so that a rerun over the same documents reuses
+        them rather than encoding them again. `options` are the constructor's (model,
+        chunk_tokens, adapter, ...)."""
+        # Chroma may still hold its files open at exit (Windows refuses to delete those).
+        with tempfile.TemporaryDirectory(prefix="turborag-workspace-",
+                                         ignore_cleanup_errors=True) as folder:
+            workspace = cls(folder, **options)
+            workspace.kv_dir = Path(kv_dir).expanduser() if kv_dir else default_store_path()
+            yield workspace
+
     # ---- lazily built parts -----------------------------------------------------------------
     @property
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
-            self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.root / "kv"),
+            self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
                                           adapter=self.adapter)
         return self._engine
 

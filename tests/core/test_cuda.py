@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig
-from turborag_integrations.core.stitch import Segment, plan_prompt, reference_forward
+from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prefill.stitch import Segment, plan_prompt, reference_forward
 from turborag_integrations.core.store import KVStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

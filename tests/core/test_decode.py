@@ -7,10 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from tests.conftest import tiny_model
-from turborag_integrations.core.cache import KVCache
-from turborag_integrations.core.decode import (FastDecoder, gemm, int8_available, stock_step,
+from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.decode.fast import (FastDecoder, gemm, int8_available, stock_step,
                                                unsupported_reason)
-from turborag_integrations.core.generate import GenerationConfig, decode_loop, step_function
+from turborag_integrations.core.decode.loop import decode_loop, step_function
+from turborag_integrations.core.settings import GenerationConfig
 
 
 def prefill(model, ids, capacity=64):

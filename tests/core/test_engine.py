@@ -5,7 +5,9 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError, EmptyChunkError
-from turborag_integrations.core.generate import GenerationConfig, TextDeltas, warp_logits
+from turborag_integrations.core.decode.loop import TextDeltas
+from turborag_integrations.core.decode.sampling import warp_logits
+from turborag_integrations.core.settings import GenerationConfig
 from tests.conftest import tiny_model
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles."]
@@ -165,3 +167,17 @@ def test_prompt_without_found_chunks_is_not_stored(engine):
     engine.generate("no chunk here at all", chunks=["absent chunk text"],
                     config=GenerationConfig(max_new_tokens=2))
     assert len(engine.store.keys()) == before
+
+
+def test_engine_closes_the_store_it_opened_and_only_that(tiny, tmp_path):
+    from turborag_integrations.core.store import KVStore, StoreClosedError
+
+    with TurboRAGEngine(tiny, store=tmp_path / "own") as own:
+        own.encode_chunks(["A chunk the engine's own store keeps."])
+    with pytest.raises(StoreClosedError):
+        own.store.keys()
+    shared = KVStore(tmp_path / "shared")
+    with TurboRAGEngine(tiny, store=shared) as borrower:
+        borrower.encode_chunks(["A chunk in a store the caller owns."])
+    assert len(shared.keys()) == 1  # still open
+    shared.close()

@@ -7,15 +7,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from turborag_integrations.core.cache import KVCache
+from turborag_integrations.core.prefill.cache import KVCache
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
-from turborag_integrations.core.generate import GenerationConfig
+from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import LoadedModel
 from turborag_integrations.core.rapid import (
     RapidEngine, Side, Verdict, VocabularyMismatch, accept_drafts, augmented_probs,
     residual_probs, speculate, target_greedy)
-from turborag_integrations.core.rapid_attention import split_attention, suffix_causal
+from turborag_integrations.core.attention import split_attention, suffix_causal
 from tests.conftest import byte_tokenizer, tiny_model
 
 PARAGRAPHS = [
@@ -372,3 +372,40 @@ def test_streaming_and_stop_strings(target):
         cut = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
                              config=GenerationConfig(max_new_tokens=30, stop=[stop]))
         assert stop not in cut.text and cut.stats.finish_reason == "stop"
+
+
+def test_per_call_settings_are_validated_before_any_compute(target):
+    rapid = RapidEngine(target)
+    for kwargs in ({"gamma": 0}, {"eta": -0.5}, {"eta": float("nan")}):
+        with pytest.raises(ValueError):
+            rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], **kwargs)
+
+
+def test_early_close_releases_both_caches_and_keeps_partial_stats(target):
+    rapid = RapidEngine(target, gamma=3)
+    config = GenerationConfig(max_new_tokens=20)
+    fresh = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    target.cache_pool.keep = 4
+    target.cache_pool._free.clear()
+    stream = rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    next(iter(stream))
+    assert target.cache_pool._free == []  # both caches in use
+    stream.close()
+    assert stream.result.stats.finish_reason == "cancelled"
+    assert stream.result.stats.ttft_s > 0 and stream.result.stats.gamma == 3
+    assert len(target.cache_pool._free) == 2  # target's and drafter's, handed back
+    again = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_given_chunks_reach_the_drafter_in_document_order(target):
+    from turborag_integrations.core.rapid import document_order
+
+    assert document_order("a b c", ["c", "zz", "a", " "]) == ["a", "c", "zz"]
+    rapid = RapidEngine(target, gamma=2)
+    config = GenerationConfig(max_new_tokens=8)
+    ordered = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:3], config=config)
+    shuffled = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[2::-1], config=config)
+    assert shuffled.token_ids == ordered.token_ids
+    assert shuffled.stats.accepted == ordered.stats.accepted
+    assert shuffled.stats.drafter_prompt_tokens == ordered.stats.drafter_prompt_tokens

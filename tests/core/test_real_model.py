@@ -3,7 +3,7 @@
 import pytest
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig
+from turborag_integrations.core.settings import GenerationConfig
 
 pytestmark = pytest.mark.real_model
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig
-from turborag_integrations.core.recovery import (BoundaryRecompute, Combined, SelectiveRecompute,
+from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Combined, SelectiveRecompute,
                                                  parse_recovery, recompute_tokens,
                                                  value_deviation)
-from turborag_integrations.core.rope import KeyRotator
-from turborag_integrations.core.stitch import Segment, plan_prompt, prefill
+from turborag_integrations.core.prefill.rope import KeyRotator
+from turborag_integrations.core.prefill.stitch import Segment, plan_prompt, prefill
 from tests.core.test_stitch import LAYOUTS, build
 
 

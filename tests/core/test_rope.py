@@ -5,7 +5,7 @@ import torch
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.errors import UnsupportedRopeError
-from turborag_integrations.core.rope import KeyRotator
+from turborag_integrations.core.prefill.rope import KeyRotator
 
 ROPES = {
     "default": None,

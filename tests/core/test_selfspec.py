@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from turborag_integrations.core.cache import KVCache
-from turborag_integrations.core.decode import int8_available
+from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.decode.fast import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.generate import GenerationConfig, decode_loop
-from turborag_integrations.core.selfspec import DraftStats
+from turborag_integrations.core.decode.loop import decode_loop
+from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.decode.selfspec import DraftStats
 from turborag_integrations.core.store import KVStore
 
 MODES = ["bf16"] + (["int8"] if int8_available() else [])

@@ -4,11 +4,11 @@ segmentation never loses, duplicates or reorders text."""
 import pytest
 import torch
 
-from turborag_integrations.core.blob import ChunkEncoder, fingerprint_model
+from turborag_integrations.core.prefill.blob import ChunkEncoder, fingerprint_model
 from turborag_integrations.core.errors import ContextWindowError, FingerprintMismatch
-from turborag_integrations.core.rope import KeyRotator
-from turborag_integrations.core.segment import split_prompt
-from turborag_integrations.core.stitch import (Segment, independent_attention_mask, plan_prompt,
+from turborag_integrations.core.prefill.rope import KeyRotator
+from turborag_integrations.core.prefill.segment import split_prompt
+from turborag_integrations.core.prefill.stitch import (Segment, independent_attention_mask, plan_prompt,
                                                prefill, reference_forward)
 from tests.conftest import tiny_model
 
@@ -190,7 +190,7 @@ def test_trailing_chunk_is_prefilled(tiny_llama):
 
 def test_cache_grown_during_a_forward_can_be_reused(tiny_llama):
     """Storage that grew under inference mode must stay writable when the pool hands it out."""
-    from turborag_integrations.core.cache import CachePool
+    from turborag_integrations.core.prefill.cache import CachePool
 
     pool = CachePool()
     cache = pool.acquire(tiny_llama.model, capacity=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 
-from turborag_integrations.core.chunking import split_text
+from turborag_integrations.core.retrieval.chunking import split_text
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.langchain import ChunkRegistry, KVCachingVectorStore, TurboRAGChatModel
 

@@ -20,7 +20,7 @@ DOCS = {
 def embed_model():
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from turborag_integrations.core.embedding import default_embedding_path
+    from turborag_integrations.core.retrieval.embedding import default_embedding_path
 
     return HuggingFaceEmbedding(model_name=default_embedding_path())
 

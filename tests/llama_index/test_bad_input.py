@@ -1,13 +1,18 @@
-"""What goes wrong in real deployments still gives an answer, and the stats say why."""
+"""What goes wrong in real deployments still gives an answer, and the stats say why; a store
+built for another model is refused, naming both."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 from llama_index.core.chat_engine import SimpleChatEngine
 from llama_index.core.postprocessor import SimilarityPostprocessor
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
+from tests.conftest import tiny_model
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.errors import FingerprintMismatch
 from turborag_integrations.llama_index import KV_KEY_METADATA, KVCachePostprocessor, TurboRAGLLM
 
 from .conftest import build_index
@@ -84,3 +89,25 @@ def test_empty_retrieval(index, engine):
     assert reply.response
     assert llm.last_stats["cache_hits"] == 0 and llm.last_stats["cache_misses"] == 0
     assert llm.last_stats["new_tokens"] > 0
+
+
+def test_chunks_registered_for_another_model_are_refused(index, kv_store, engine, tmp_path):
+    """An LLM on another model, handed the registry the store filled (texts ingested for the
+    store's model), says so instead of silently prefilling them."""
+    other = TurboRAGEngine(tiny_model("llama", seed=1), store=tmp_path / "kv2", progress=False)
+    assert other.fingerprint.id != engine.fingerprint.id
+    llm = TurboRAGLLM(other, registry=kv_store.registry, max_new_tokens=2)
+    qe = index.as_query_engine(llm=llm, similarity_top_k=1)
+    with pytest.raises(FingerprintMismatch) as err:
+        qe.query(QUESTION)
+    assert engine.fingerprint.id in str(err.value) and other.fingerprint.id in str(err.value)
+    # Opting out of the check: the chunk is simply prefilled.
+    unchecked = TurboRAGLLM(other, registry=kv_store.registry, max_new_tokens=2,
+                            check_fingerprint=False)
+    index.as_query_engine(llm=unchecked, similarity_top_k=1).query(QUESTION)
+    assert unchecked.last_stats["cache_hits"] == 0 and unchecked.last_stats["cache_misses"] == 1
+    # A postprocessor on the other engine makes the chunk's blob for its model: then it is used.
+    qe = index.as_query_engine(llm=llm, similarity_top_k=1,
+                               node_postprocessors=[llm.postprocessor()])
+    qe.query(QUESTION)
+    assert llm.last_stats["cache_hits"] == 1

@@ -75,10 +75,26 @@ def test_progress_bar_and_async_add(engine, tmp_path, capsys):
 
 
 def test_registry_is_bounded_and_matches_verbatim():
-    registry = ChunkRegistry(capacity=2)
+    registry = ChunkRegistry(capacity=2, min_chars=1)
     registry.add(["alpha beta", "gamma", "delta"])
     assert "alpha beta" not in registry and len(registry) == 2
     assert registry.found_in("x gamma y delt") == ["gamma"]
+    # By default a text too short to be worth a blob is not registered.
+    default = ChunkRegistry()
+    default.add(["gamma", "a chunk long enough to be worth a blob"])
+    assert default.found_in("gamma: a chunk long enough to be worth a blob") == [
+        "a chunk long enough to be worth a blob"]
+
+
+def test_adapters_on_one_engine_share_its_registry(engine, kv_store):
+    from turborag_integrations.llama_index import KVCachePostprocessor, TurboRAGLLM
+
+    shared = ChunkRegistry.for_engine(engine)
+    llm = TurboRAGLLM(engine)
+    assert kv_store.registry is shared and llm.registry is shared
+    assert KVCachePostprocessor(engine).registry is shared
+    own = ChunkRegistry()
+    assert KVCachePostprocessor(TurboRAGLLM(engine, registry=own)).registry is own
 
 
 def _context(store):

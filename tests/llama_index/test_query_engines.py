@@ -152,6 +152,67 @@ def test_async_query_and_streaming(index, engine):
     assert "".join(c.delta for c in chunks) == chunks[-1].text
 
 
+def test_async_stream_closed_early_then_called_again(engine, monkeypatch):
+    """A consumer that stops after the first delta: the generation is closed (its cache back
+    in the pool), and the next call answers as a fresh one does."""
+    opened = []
+    open_stream = engine.stream
+
+    def recording_stream(*args, **kwargs):
+        opened.append(open_stream(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(engine, "stream", recording_stream)
+    llm = TurboRAGLLM(engine, max_new_tokens=8)
+    fresh = llm.complete("Say hi").text
+
+    async def run():
+        responses = await llm.astream_complete("Say hi")
+        async for first in responses:
+            break
+        await responses.aclose()
+        del responses
+        for _ in range(500):  # the LLM's own stream is closed as the event loop gets to it
+            if opened[1].result is not None:
+                break
+            await asyncio.sleep(0.01)
+        again = [r async for r in await llm.astream_complete("Say hi")]
+        return first, again
+
+    first, again = asyncio.run(run())
+    assert first.delta and fresh.startswith(first.delta)
+    assert opened[1].result is not None
+    assert "".join(r.delta for r in again) == again[-1].text == fresh
+
+
+def test_iterate_in_thread_closes_the_iterator_before_returning():
+    import threading
+
+    from turborag_integrations.core.async_iter import iterate_in_thread
+
+    release, closed = threading.Event(), threading.Event()
+
+    def numbers():
+        try:
+            i = 0
+            while True:
+                yield i
+                release.wait(5)  # hold the worker until the consumer has stopped reading
+                i += 1
+        finally:
+            closed.set()
+
+    async def run():
+        items = iterate_in_thread(numbers)
+        async for first in items:
+            break
+        release.set()
+        await items.aclose()
+        return first, closed.is_set()
+
+    assert asyncio.run(run()) == (0, True)
+
+
 def test_complete_and_chat_use_the_chat_template(engine):
     from llama_index.core.llms import ChatMessage
 

@@ -1,1 +1,18 @@
-"""The framework-free engine: models, KV blobs, the store, stitching and generation."""
+"""The framework-free engine. Layers, each importing only those above it in this list:
+
+- settings, errors: what a caller can choose, and what can go wrong
+- attention: per-call attention switches (split verification attention, CPU masked GQA)
+- models, adapter: loading a model (and merging a LoRA adapter) with its fingerprint
+- prefill/: chunk blobs, the KV cache, stitching a prompt from blobs (rope, blob, cache, stitch…)
+- decode/: producing tokens after a prefill (sampling math, fast steps, drafting, the loop)
+- retrieval/: chunking, embeddings, cosine search (for RAPID's own retrieval and the CLI)
+- store/: where blobs live (memory, disk, accelerator tiers behind one contract)
+- engine, run, registry: TurboRAGEngine and the lifecycle of one streamed generation
+- rapid/: RAPID — speculation rounds, and the facade over two engines
+
+docs/concepts.md#architecture draws it.
+"""
+
+from . import compat
+
+compat.install()

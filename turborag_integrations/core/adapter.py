@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .blob import weights_digest
+from .prefill.blob import weights_digest
 from .errors import AdapterMismatch
 
 FORMAT = "turborag-lora/1"

@@ -10,49 +10,31 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
-import torch
 import xxhash
 
 from .adapter import apply_adapter, bundled_adapter
-from .anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
-from .cache import CachePool
-from .blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
+from .decode.loop import decode_loop, eos_token_ids, now
+from .decode.selfspec import DraftStats
 from .errors import EmptyChunkError
-from .generate import (GenerationConfig, GenerationStats, TextDeltas, decode_loop, eos_token_ids,
-                       now)
 from .models import LoadedModel, load_model
-from .recovery import parse_recovery
-from .rope import KeyRotator
-from .segment import split_prompt
-from .selfspec import DraftStats
-from .stitch import POSITION_MODES, Prefill, Segment, plan_prompt, prefill
+from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
+from .prefill.blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
+from .prefill.cache import CachePool
+from .prefill.recovery import parse_recovery
+from .prefill.rope import KeyRotator
+from .prefill.segment import split_prompt
+from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
+from .run import GenerationResult, GenerationStats, GenerationStream, Run
+from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
 from .store import KVStore
 
 log = logging.getLogger(__name__)
 
-MODES = ("turbo", "naive")
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-
-
-class GenerationStream:
-    """Iterate for text deltas; `.result` is filled in once the iteration ends."""
-
-    def __init__(self, deltas: Iterator[str]):
-        self._deltas = deltas
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        return self._deltas
+__all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats",
+           "GenerationStream", "MODES", "POSITION_MODES"]
 
 
 class TurboRAGEngine:
@@ -62,15 +44,14 @@ class TurboRAGEngine:
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  adapter: str | Path | None = "default"):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
-        (see core/anchor.py). Blobs of different anchors never mix: the anchor is part of their
+        (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
 
         adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load;
         "default" merges the one shipped for a bundled model (SmolLM2), None uses the weights
         as they are. The weights digest, and so every blob's fingerprint, follows the merge.
         """
-        if positions not in POSITION_MODES:
-            raise ValueError(f"positions must be one of {POSITION_MODES}, not {positions!r}")
+        check_choice("positions", positions, POSITION_MODES)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, progress=progress)
         self.model = self.loaded.model
@@ -98,11 +79,23 @@ class TurboRAGEngine:
         # The fingerprint of chunk blobs (model setup + anchor), and of plain prefix blobs.
         self.fingerprint: Fingerprint = self.encoder.fingerprint
         self.prefix_fingerprint: Fingerprint = self.prefix_encoder.fingerprint
+        self._owns_store = not isinstance(store, KVStore)
         self.store = store if isinstance(store, KVStore) else KVStore(store)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
         self._keys: dict[str, str] = {}
         self._keys_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the KV store if this engine opened it (a store passed in stays open)."""
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "TurboRAGEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def warmup(self) -> None:
         """Run a tiny full and a tiny stitched call (nothing is stored), so that the first timed
@@ -167,16 +160,47 @@ class TurboRAGEngine:
             self.store.add_ref(k, doc)
         return keys
 
+    def prepare_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                       encode_missing: bool = True, warm: bool = True) -> list[str | None]:
+        """Make retrieved chunk texts ready for the next prompt that contains them.
+
+        Encodes (and stores) the blobs of texts that have none yet when `encode_missing`, and
+        with `warm` loads the stored ones into the memory tier now, so that the prompt's
+        assembly reads RAM rather than disk. Returns each text's key; None for a text with no
+        tokens, or without a blob when `encode_missing` is off.
+        """
+        keys: list[str | None] = []
+        missing: list[int] = []
+        for i, text in enumerate(texts):
+            try:
+                key = self.chunk_key(text)
+            except EmptyChunkError:
+                keys.append(None)
+                continue
+            if self.store.contains(key):
+                keys.append(key)
+                if warm:
+                    self.store.get(key, self.fingerprint)
+            else:
+                keys.append(key if encode_missing else None)
+                if encode_missing:
+                    missing.append(i)
+        if missing:
+            self.encode_chunks([texts[i] for i in missing],
+                               doc_ids=[doc_ids[i] for i in missing] if doc_ids else None)
+            if warm:
+                for i in missing:
+                    self.store.get(keys[i], self.fingerprint)
+        return keys
+
+    def forget_document(self, doc_id: str) -> list[str]:
+        """Drop a document's claim on its blobs; delete those no other document uses.
+        Returns the deleted keys."""
+        return self.store.delete_doc(doc_id)
+
     def blob_for(self, text: str, *, encode_missing: bool = False) -> KVBlob | None:
-        try:
-            key = self.chunk_key(text)
-        except EmptyChunkError:
-            return None
-        blob = self.store.get(key, self.fingerprint)
-        if blob is None and encode_missing:
-            blob = self.encoder.encode(text)
-            self.store.put(blob)
-        return blob
+        """The (anchored) blob of a chunk text; None if not stored (and not encoded)."""
+        return self._blob(text, self.encoder, encode_missing)
 
     def prefix_key(self, text: str) -> str:
         """Key of the plain (unanchored) blob of a prompt head."""
@@ -184,14 +208,18 @@ class TurboRAGEngine:
 
     def prefix_blob(self, text: str, *, encode_missing: bool = True) -> KVBlob | None:
         """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill."""
+        return self._blob(text, self.prefix_encoder, encode_missing)
+
+    def _blob(self, text: str, encoder: ChunkEncoder, encode_missing: bool) -> KVBlob | None:
         try:
-            key = self.prefix_key(text)
+            key = self._key(text, encoder)
         except EmptyChunkError:
             return None
-        blob = self.store.get(key, self.prefix_fingerprint)
+        blob = self.store.get(key, encoder.fingerprint)
         if blob is None and encode_missing:
-            blob = self.prefix_encoder.encode(text)
-            self.store.put(blob)
+            blob = encoder.encode(text)
+            # A prompt head is written per query: the store bounds such blobs apart from chunks.
+            self.store.put(blob, kind="prefix" if encoder is self.prefix_encoder else "chunk")
         return blob
 
     # ---- prompts ----------------------------------------------------------------------------
@@ -211,8 +239,7 @@ class TurboRAGEngine:
         Returns (segments, cache_hits, cache_misses). A chunk without a blob, or whose text the
         prompt does not contain verbatim, is simply prefilled with the rest.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        check_choice("mode", mode, MODES)
         chunks = [c for c in dict.fromkeys(chunks) if c and c.strip()]
         if mode == "naive" or not chunks:
             return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
@@ -259,13 +286,12 @@ class TurboRAGEngine:
         """Generate from `prompt` (a string, or ready segments); iterate for text deltas.
 
         recovery: None, a `recovery.Recovery`, or a spec such as "boundary:16" / "blend:0.15"
-        (see core/recovery.py): recompute some chunk tokens with full context (turbo mode).
+        (see core/prefill/recovery.py): recompute some chunk tokens with full context (turbo
+        mode).
         """
         config = config or GenerationConfig()
-        stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, prompt, chunks, config, mode, positions, encode_missing,
-                                   recovery)
-        return stream
+        return GenerationStream(start=lambda: self._start(prompt, chunks, config, mode, positions,
+                                                          encode_missing, recovery))
 
     def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                  config: GenerationConfig | None = None, mode: str = "turbo",
@@ -278,8 +304,8 @@ class TurboRAGEngine:
             pass
         return stream.result  # type: ignore[return-value]
 
-    def _run(self, stream: GenerationStream, prompt, chunks, config: GenerationConfig, mode: str,
-             positions: str | None, encode_missing: bool, recovery=None) -> Iterator[str]:
+    def _start(self, prompt, chunks, config: GenerationConfig, mode: str,
+               positions: str | None, encode_missing: bool, recovery) -> Run:
         t0 = now()
         if isinstance(prompt, str):
             segments, hits, misses = self.segments(prompt, chunks, mode=mode,
@@ -302,46 +328,14 @@ class TurboRAGEngine:
         if recovery is not None:
             stats.extra["recovery"] = str(parse_recovery(recovery))
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
-        room = self.context_window - plan.next_position
-        deltas = TextDeltas(self.tokenizer, config.stop)
+        limit = min(config.max_new_tokens, self.context_window - plan.next_position)
         draft_stats = DraftStats() if config.draft else None
-        tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
-                             self.eos_ids, max_new_tokens=min(config.max_new_tokens, room),
-                             draft_stats=draft_stats)
-        t_first = None
-        finish = "length"
-        try:
-            for token in tokens:
-                if t_first is None:
-                    t_first = now()
-                    stats.ttft_s = t_first - t0
-                delta = deltas.push(token)
-                if delta:
-                    yield delta
-                if deltas.stopped:
-                    finish = "stop"
-                    break
-            else:
-                if len(deltas.ids) < min(config.max_new_tokens, room):
-                    finish = "stop"  # end-of-sequence token
-        except GeneratorExit:
-            finish = "cancelled"
-            raise
-        finally:
-            tokens.close()
+
+        def finish() -> None:
             self.cache_pool.release(pre.cache)
-            # Filled in even when the consumer stops early (closing the stream), so the stats
-            # of a partial answer are not lost.
-            t_end = now()
-            if t_first is None:
-                stats.ttft_s = t_end - t0
-            stats.new_tokens = len(deltas.ids)
-            stats.decode_s = t_end - t_first if t_first is not None else 0.0
-            stats.finish_reason = finish
             if draft_stats is not None:
                 stats.extra.update(draft_stats.as_dict())
-            stream.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids),
-                                             stats=stats)
-        tail = deltas.flush()
-        if tail:
-            yield tail
+
+        tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
+                             self.eos_ids, max_new_tokens=limit, draft_stats=draft_stats)
+        return Run(tokens, stats, limit, self.tokenizer, config.stop, finish)

@@ -228,7 +228,7 @@ def check_supported(config) -> None:
             f"{model_type} model uses sliding-window attention (window {window}); stitched "
             "caches need full attention"
         )
-    from .rope import rope_type_of  # checks the RoPE variant and raises with its name
+    from .prefill.rope import rope_type_of  # checks the RoPE variant and raises with its name
 
     rope_type_of(config)
 

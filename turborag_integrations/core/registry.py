@@ -7,8 +7,19 @@ Matching by text, not by query, makes concurrent queries safe: another query's t
 if this prompt really contains it, and then reusing its blob is correct anyway. A text the prompt
 does not contain verbatim (a template that truncates or rewrites it) is not found, and prefilled.
 
-Each text may carry the fingerprints of the models it was ingested for, so that an adapter
-running another model can say so instead of silently prefilling everything.
+One registry per engine. `ChunkRegistry.for_engine(engine)` is what every adapter built on an
+engine uses unless it is given `registry=`, from LlamaIndex and LangChain alike: texts are worth
+looking for only where that engine's store can hold their blobs, so the ingesting side and the
+generating side must meet in the same registry, and an engine running another model must not be
+sent looking for them. Pass one registry explicitly to share it across engines.
+
+Texts shorter than `DEFAULT_MIN_CHARS` (32 characters, about 6 to 10 tokens) are not registered:
+reusing the blob of a few tokens saves less than finding and stitching it costs, and a short text
+(a word, a heading) also occurs inside unrelated text, where splitting the prompt around it would
+cut the prompt's tokenization at a false boundary.
+
+Each text may carry the fingerprints of the models it was ingested for, so that an LLM running
+another model says so (`FingerprintMismatch`) instead of silently prefilling everything.
 """
 
 from __future__ import annotations
@@ -18,6 +29,10 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from .errors import FingerprintMismatch
+
+DEFAULT_MIN_CHARS = 32
 
 _BY_ENGINE: "weakref.WeakKeyDictionary[object, ChunkRegistry]" = weakref.WeakKeyDictionary()
 _BY_ENGINE_LOCK = threading.Lock()
@@ -29,14 +44,27 @@ class RegisteredText:
     fingerprints: dict[str, str] = field(default_factory=dict)  # fingerprint id -> model
 
 
+def mismatch(current, recorded_id: str, recorded_model: str | None,
+             where: str) -> FingerprintMismatch:
+    """The error for `where` (a store, a document), ingested for another model than `current`.
+
+    `current` is the engine that met it, or that engine's `Fingerprint`.
+    """
+    fp = getattr(current, "fingerprint", current)
+    return FingerprintMismatch(
+        f"{where} was ingested for another model: {recorded_model or '?'} (fingerprint "
+        f"{recorded_id}), but this engine runs {fp.describe()} (fingerprint {fp.id}). Its KV "
+        "blobs cannot be used with this model: use the model that built the store, or re-ingest "
+        "the documents with this one (a new collection or store directory).")
+
+
 class ChunkRegistry:
     """A bounded, thread-safe, most-recently-used set of candidate chunk texts.
 
-    Texts shorter than `min_chars` are ignored: a blob of a few tokens saves nothing, and a short
-    text would match inside unrelated words of a prompt.
+    Texts shorter than `min_chars` are ignored (see the module docstring for the default).
     """
 
-    def __init__(self, capacity: int = 4096, min_chars: int = 1):
+    def __init__(self, capacity: int = 4096, min_chars: int = DEFAULT_MIN_CHARS):
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
@@ -70,15 +98,30 @@ class ChunkRegistry:
             while len(self._texts) > self.capacity:
                 self._texts.popitem(last=False)
 
-    def entries_in(self, prompt: str) -> list[RegisteredText]:
-        """The registered entries whose text `prompt` contains verbatim, most recent first."""
+    def entries_in(self, prompt: str, *, fingerprint=None) -> list[RegisteredText]:
+        """The registered entries whose text `prompt` contains verbatim, most recent first.
+
+        With `fingerprint` (the generating engine's `Fingerprint`), raise FingerprintMismatch
+        if one of them was ingested only for other models: their blobs cannot serve this one,
+        and a store built for another model is a mistake worth naming. Texts registered without
+        a fingerprint pass.
+        """
         with self._lock:
             entries = list(reversed(self._texts.values()))
-        return [e for e in entries if e.text in prompt]
+        found = [e for e in entries if e.text in prompt]
+        if fingerprint is not None:
+            for entry in found:
+                if entry.fingerprints and fingerprint.id not in entry.fingerprints:
+                    recorded, model = next(iter(entry.fingerprints.items()))
+                    preview = entry.text[:60].replace("\n", " ")
+                    raise mismatch(fingerprint, recorded, model,
+                                   f"a document in this prompt ({preview!r}…)")
+        return found
 
-    def found_in(self, prompt: str) -> list[str]:
-        """The registered texts that `prompt` contains verbatim, most recent first."""
-        return [e.text for e in self.entries_in(prompt)]
+    def found_in(self, prompt: str, *, fingerprint=None) -> list[str]:
+        """The registered texts that `prompt` contains verbatim, most recent first (checked
+        against `fingerprint` as in `entries_in`)."""
+        return [e.text for e in self.entries_in(prompt, fingerprint=fingerprint)]
 
     def discard(self, text: str) -> None:
         with self._lock:

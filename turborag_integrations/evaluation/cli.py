@@ -1,7 +1,8 @@
-"""`turborag eval` and `turborag finetune`: typer command functions the main app registers.
+"""`turborag eval`: a typer command function the main app registers.
 
     app.command("eval")(eval_command)
-    app.command("finetune")(finetune_command)
+
+`fail` and the bundled data paths serve `turborag finetune` (training/cli.py) too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ DEVSET = Path(__file__).resolve().parents[1] / "data" / "devset"
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout" / "heldout.jsonl"
 
 
-def _fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> None:
+    """Print `message` as an error on stderr and exit with `code` (2: bad input)."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -44,16 +46,17 @@ def eval_command(
     """Accuracy and TTFT of TurboRAG modes (and recovery / fine-tuned models) on a RAG set."""
     from ..core.engine import TurboRAGEngine
     from ..core.errors import TurboRAGError
+    from ..core.models import DEFAULT_MODEL
     from .harness import evaluate, load_items, markdown_table, temporary_store, write_results
 
     if not data.exists():
-        _fail(f"no such file: {data}")
+        fail(f"no such file: {data}")
     report = load_items(data)
     for line, reason in report.errors:
         typer.secho(f"{data}:{line}: skipped malformed line: {reason}", fg=typer.colors.YELLOW,
                     err=True)
     if not report.items:
-        _fail("no valid items to evaluate")
+        fail("no valid items to evaluate")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     ft_doc = False
     if finetuned is not None:
@@ -77,10 +80,10 @@ def eval_command(
                                ft_engine=ft_engine, ft_doc_tokens=ft_doc, progress=progress,
                                limit=limit)
     except (TurboRAGError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
     results["data"] = str(data)
-    results["model"] = model or "smollm2-135m-instruct"
+    results["model"] = model or DEFAULT_MODEL
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     if finetuned is not None:
@@ -96,38 +99,3 @@ def eval_command(
         typer.echo(markdown_table(results))
     typer.echo(f"results in {out}/", err=True)
 
-
-def finetune_command(
-    out: Path = typer.Argument(..., help="folder to save the fine-tuned model in"),
-    data: Path = typer.Option(DEVSET / "train.jsonl", help="JSONL training set"),
-    model: Optional[str] = typer.Option(None, help="base model: bundled name, folder or HF id"),
-    steps: int = typer.Option(200, help="optimizer steps"),
-    batch_size: int = typer.Option(2),
-    lr: float = typer.Option(5e-5, help="learning rate (LoRA: try 5e-4)"),
-    positions: str = typer.Option("reordered", help="reordered | composite"),
-    lora: bool = typer.Option(False, help="train LoRA adapters (needs peft) and merge them"),
-    lora_rank: int = typer.Option(16),
-    doc_tokens: bool = typer.Option(False, help="add <|doc_start|>/<|doc_end|> around chunks"),
-    max_chunks: Optional[int] = typer.Option(None, help="keep at most N chunks per item "
-                                             "(gold always kept): shorter, faster steps"),
-    anchor: str = typer.Option("chat", help="chunk anchor of the layout trained on: the engine's "
-                               "(chat | bos | none | a text)"),
-    max_tokens: int = typer.Option(1536, help="skip longer examples"),
-    seed: int = typer.Option(0),
-):
-    """Fine-tune a model for TurboRAG's independent attention (loss on the answer only)."""
-    from ..core.errors import TurboRAGError
-    from ..training.finetune import FinetuneConfig, finetune
-
-    if positions not in ("reordered", "composite"):
-        _fail("positions must be reordered or composite")
-    cfg = FinetuneConfig(model=model, data=str(data), out=str(out), steps=steps,
-                         batch_size=batch_size, lr=lr, positions=positions, lora=lora,
-                         lora_rank=lora_rank, doc_tokens=doc_tokens, max_chunks=max_chunks,
-                         anchor=anchor, max_tokens=max_tokens,
-                         seed=seed)
-    try:
-        summary = finetune(cfg, log=lambda m: typer.echo(m, err=True))
-    except (TurboRAGError, ValueError, ImportError) as exc:
-        _fail(str(exc))
-    typer.echo(json.dumps(summary, indent=2))

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..core.errors import ContextWindowError
-from ..core.generate import GenerationConfig
-from ..core.recovery import parse_recovery
+from ..core.settings import GenerationConfig
+from ..core.prefill.recovery import parse_recovery
 from .metrics import is_refusal, normalize, score
 from .prompt import build_prompt, prompt_head
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from langchain_core.embeddings import Embeddings
 
-from ..core.embedding import load_embedder
+from ..core.retrieval.embedding import load_embedder
 
 
 class SentenceTransformerEmbeddings(Embeddings):

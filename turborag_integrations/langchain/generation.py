@@ -1,7 +1,8 @@
-"""What the chat model and the text-completion LLM share: engine, sampling knobs, chunk lookup.
+"""What the TurboRAG LangChain models share: engine, sampling knobs, per-call arguments, lookup.
 
-Both adapters end in the same call, `engine.stream(prompt, chunks=...)`; they differ only in how
-the prompt is made (chat template or raw text) and in the LangChain types they return.
+The chat model and the text-completion LLM end in the same call, `engine.stream(prompt,
+chunks=...)`; they differ only in how the prompt is made (chat template or raw text) and in the
+LangChain types they return. RapidChatModel shares the sampling knobs (`SamplingParams`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any, Literal
 from langchain_core.documents import Document
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from ..core.engine import GenerationStream, TurboRAGEngine
-from ..core.generate import GenerationConfig, GenerationStats
-from .fingerprints import check_metadata, mismatch
-from .registry import ChunkRegistry, default_registry
+from ..core.engine import TurboRAGEngine
+from ..core.registry import ChunkRegistry
+from ..core.run import GenerationStats, GenerationStream
+from ..core.settings import GenerationConfig
+from .fingerprints import check_metadata
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +27,8 @@ _ENGINES_LOCK = threading.Lock()
 
 # Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
 _FRAMEWORK_KWARGS = {"stream", "ls_structured_output_format"}
-_CALL_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "mode", "chunks", "model",
-                "encode_missing", "quantize", "draft"}
-
-STAT_KEYS = ("ttft_s", "reused_tokens", "prefilled_tokens", "cache_hits", "cache_misses")
+SAMPLING_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
+_CALL_KWARGS = SAMPLING_KWARGS | {"mode", "chunks", "model", "encode_missing", "quantize", "draft"}
 
 
 def shared_engine(model: str | None = None) -> TurboRAGEngine:
@@ -50,7 +50,46 @@ def chunk_texts(chunks: Any) -> list[str]:
     return [c.page_content if isinstance(c, Document) else str(c) for c in chunks]
 
 
-class TurboRAGParams(BaseModel):
+def call_kwargs(model: Any, kwargs: dict, accepted: set[str]) -> dict:
+    """The per-call arguments of `kwargs` that `model` accepts; a TypeError names any other.
+
+    LangChain's own arguments are let through and dropped."""
+    unknown = set(kwargs) - accepted - _FRAMEWORK_KWARGS
+    if unknown:
+        raise TypeError(f"{type(model).__name__} got unsupported arguments {sorted(unknown)}; "
+                        f"it accepts {sorted(accepted)} (tools and structured output are not "
+                        "supported)")
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+class SamplingParams(BaseModel):
+    """How tokens are picked: fields every TurboRAG LangChain model has, each overridable per
+    call (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`; `stop` as LangChain passes it)."""
+
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    max_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    def decoding_options(self, call: dict) -> dict:
+        """Further GenerationConfig settings of this model for one call (none here)."""
+        return {}
+
+    def generation_config(self, stop: list[str] | None, call: dict) -> GenerationConfig:
+        """The GenerationConfig of one call: the fields, overridden by the call's arguments."""
+        stops = stop if stop is not None else self.stop
+        return GenerationConfig(
+            max_new_tokens=call.get("max_tokens", self.max_tokens),
+            temperature=call.get("temperature", self.temperature),
+            top_p=call.get("top_p", self.top_p), top_k=call.get("top_k", self.top_k),
+            seed=call.get("seed", self.seed), stop=tuple(stops or ()),
+            **self.decoding_options(call))
+
+
+class TurboRAGParams(SamplingParams):
     """Fields and helpers of the TurboRAG LangChain models."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True,
@@ -63,13 +102,6 @@ class TurboRAGParams(BaseModel):
     """Model to load when no engine is given (None: the bundled SmolLM2)."""
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
-    temperature: float = 0.0
-    """0 is greedy decoding."""
-    max_tokens: int = 256
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] | None = None
     quantize: Literal["int8", "bf16"] | None = None
     """Decode with quantised weights: faster, answers may drift (see GenerationConfig)."""
     draft: Literal["int8", "bf16"] | None = None
@@ -79,7 +111,8 @@ class TurboRAGParams(BaseModel):
     chunks: list[str] = Field(default_factory=list)
     """Texts to look for in every prompt, besides those in the registry."""
     registry: ChunkRegistry | None = Field(default=None, exclude=True)
-    """Where the vector store wrapper records document texts (None: the process-wide one)."""
+    """Where the vector store wrapper records document texts (None: the engine's own,
+    `ChunkRegistry.for_engine`, shared by every adapter built on the engine)."""
     encode_missing: bool = False
     """Encode and store blobs for looked-for texts that have none yet (first use pays)."""
     check_fingerprint: bool = True
@@ -96,7 +129,9 @@ class TurboRAGParams(BaseModel):
         return self._engine
 
     def get_registry(self) -> ChunkRegistry:
-        return self.registry if self.registry is not None else default_registry()
+        if self.registry is not None:
+            return self.registry
+        return ChunkRegistry.for_engine(self.get_engine())
 
     @property
     def resolved_model_name(self) -> str:
@@ -107,47 +142,30 @@ class TurboRAGParams(BaseModel):
         return "smollm2-135m-instruct"
 
     # ---- one call -------------------------------------------------------------------------
-    def _split_kwargs(self, kwargs: dict) -> dict:
-        unknown = set(kwargs) - _CALL_KWARGS - _FRAMEWORK_KWARGS
-        if unknown:
-            raise TypeError(f"{type(self).__name__} got unsupported arguments {sorted(unknown)}; "
-                            f"it accepts {sorted(_CALL_KWARGS)} (tools and structured output are "
-                            "not supported)")
-        return {k: v for k, v in kwargs.items() if k in _CALL_KWARGS}
-
-    def generation_config(self, stop: list[str] | None, call: dict) -> GenerationConfig:
-        stops = stop if stop is not None else self.stop
-        return GenerationConfig(
-            max_new_tokens=call.get("max_tokens", self.max_tokens),
-            temperature=call.get("temperature", self.temperature),
-            top_p=call.get("top_p", self.top_p), top_k=call.get("top_k", self.top_k),
-            seed=call.get("seed", self.seed), stop=tuple(stops or ()),
-            quantize=call.get("quantize", self.quantize), draft=call.get("draft", self.draft))
+    def decoding_options(self, call: dict) -> dict:
+        return {"quantize": call.get("quantize", self.quantize),
+                "draft": call.get("draft", self.draft)}
 
     def candidate_chunks(self, engine: TurboRAGEngine, prompt: str, call: dict) -> list[str]:
         """Texts the engine should look for in `prompt`.
 
         Registry texts are filtered to those the prompt contains, so `cache_misses` counts
         documents that are in the prompt but have no (current) blob: never-ingested or edited.
+        With `check_fingerprint`, documents ingested for another model raise
+        FingerprintMismatch (the registry's check, core/registry.py, and for `Document`s passed
+        in `chunks`, their recorded metadata).
         """
         explicit = [*self.chunks, *chunk_texts(call.get("chunks"))]
         if self.check_fingerprint:
             for doc in call.get("chunks") or ():
                 if isinstance(doc, Document):
                     check_metadata(engine, doc.metadata, "a document passed in `chunks`")
-        found = self.get_registry().entries_in(prompt)
-        if self.check_fingerprint:
-            fp = engine.fingerprint.id
-            for entry in found:
-                if entry.fingerprints and fp not in entry.fingerprints:
-                    recorded, model = next(iter(entry.fingerprints.items()))
-                    preview = entry.text[:60].replace("\n", " ")
-                    raise mismatch(engine, recorded, model,
-                                   f"a document in this prompt ({preview!r}…)")
-        return list(dict.fromkeys([*explicit, *(e.text for e in found)]))
+        found = self.get_registry().found_in(
+            prompt, fingerprint=engine.fingerprint if self.check_fingerprint else None)
+        return list(dict.fromkeys([*explicit, *found]))
 
     def start(self, prompt: str, stop: list[str] | None, kwargs: dict) -> GenerationStream:
-        call = self._split_kwargs(kwargs)
+        call = call_kwargs(self, kwargs, _CALL_KWARGS)
         if call.get("model") not in (None, self.resolved_model_name):
             raise ValueError(f"{type(self).__name__} runs {self.resolved_model_name!r}; a per-call "
                              f"model ({call['model']!r}) is not supported: make another instance")

@@ -1,25 +1,24 @@
-"""The shared chunk registry (see core/registry.py) with LangChain's defaults.
+"""The chunk registry (see core/registry.py), importable here as before.
 
-LangChain documents shorter than 32 characters are not registered: they would match inside
-other words of a prompt. Chat models and vector store wrappers share one process-wide registry
-unless given their own.
+`ChunkRegistry` is the core class: one registry per engine, texts of 32 characters or more,
+for both frameworks. `default_registry()` is deprecated.
 """
 
-from ..core.registry import ChunkRegistry as _CoreRegistry
-from ..core.registry import RegisteredText
+import warnings
 
+from ..core.registry import ChunkRegistry, RegisteredText
 
-class ChunkRegistry(_CoreRegistry):
-    def __init__(self, capacity: int = 4096, min_chars: int = 32):
-        super().__init__(capacity=capacity, min_chars=min_chars)
-
-
-_DEFAULT = ChunkRegistry()
+_PROCESS_WIDE = ChunkRegistry()
 
 
 def default_registry() -> ChunkRegistry:
-    """The process-wide registry that wrappers and chat models share unless given their own."""
-    return _DEFAULT
+    """Deprecated: the process-wide registry that adapters shared before they shared one per
+    engine (`ChunkRegistry.for_engine(engine)`). Adapters use it only when it is passed to them
+    as `registry=`."""
+    warnings.warn("default_registry() is deprecated: adapters share one registry per engine "
+                  "(ChunkRegistry.for_engine(engine)); pass registry= to share another",
+                  DeprecationWarning, stacklevel=2)
+    return _PROCESS_WIDE
 
 
 __all__ = ["ChunkRegistry", "RegisteredText", "default_registry"]

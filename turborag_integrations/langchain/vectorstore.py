@@ -24,9 +24,9 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from ..core.engine import TurboRAGEngine
+from ..core.registry import ChunkRegistry
 from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
 from .generation import shared_engine
-from .registry import ChunkRegistry, default_registry
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class KVCachingVectorStore(VectorStore):
         engine: the TurboRAGEngine whose model encodes the blobs (share it with the chat model);
             None uses the shared engine of `model`.
         embedding, persist_directory, collection_name: for the default Chroma store only.
-        registry: where retrieved texts are recorded for the chat model (None: process-wide).
+        registry: where ingested and retrieved texts are recorded for the chat model (None:
+            the engine's own, `ChunkRegistry.for_engine(engine)`).
         check_fingerprint: refuse a store whose documents were encoded by another model.
         turborag_metadata: keep the `turborag_*` keys in returned documents' metadata. Off by
             default, so documents come back exactly as they were added.
@@ -71,7 +72,8 @@ class KVCachingVectorStore(VectorStore):
         self.engine = engine if engine is not None else shared_engine(model)
         self.vectorstore = vectorstore if vectorstore is not None else _chroma(
             embedding, persist_directory, collection_name)
-        self.registry = registry if registry is not None else default_registry()
+        self.registry = registry if registry is not None else ChunkRegistry.for_engine(
+            self.engine)
         self.check_fingerprint = check_fingerprint
         self.turborag_metadata = turborag_metadata
         self.progress = progress
@@ -162,11 +164,11 @@ class KVCachingVectorStore(VectorStore):
         except NotImplementedError:
             # Cannot tell which ids exist: drop them all (unchanged ones are re-encoded).
             for doc_id in new_text:
-                self.engine.store.delete_doc(doc_id)
+                self.engine.forget_document(doc_id)
             return
         for doc in existing:
             if doc.id in new_text and doc.page_content != new_text[doc.id]:
-                self.engine.store.delete_doc(doc.id)
+                self.engine.forget_document(doc.id)
                 self.registry.discard(doc.page_content)
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
@@ -180,7 +182,7 @@ class KVCachingVectorStore(VectorStore):
                 pass
         result = self.vectorstore.delete(ids, **kwargs)
         for doc_id in ids or ():
-            self.engine.store.delete_doc(doc_id)
+            self.engine.forget_document(doc_id)
         return result
 
     @classmethod

@@ -5,8 +5,8 @@
         docs, storage_context=StorageContext.from_defaults(vector_store=store))
 
 Ingestion is where the chunk prefill is paid, once; queries then stitch the stored blobs. The
-wrapped store does all the vector work: this class only adds blob encoding to `add` and blob
-removal to `delete`, and passes everything else through.
+wrapped store does all the vector work: this class only adds blob encoding (and registering the
+texts for the LLM) to `add` and blob removal to `delete`, and passes everything else through.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilters,
                                                   VectorStoreQuery, VectorStoreQueryResult)
 
+from ..core.registry import ChunkRegistry
 from .nodes import KV_KEY_METADATA, hide_kv_key, llm_text
+from .wiring import EngineBound, resolve_engine  # noqa: F401  (importable here as before)
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +50,14 @@ def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAUL
     return ChromaVectorStore(chroma_collection=client.get_or_create_collection(collection))
 
 
-def resolve_engine(engine):
-    """Accept an engine, or anything that holds one (a TurboRAGLLM); None loads the default."""
-    if engine is None:
-        from ..core.engine import TurboRAGEngine
-
-        return TurboRAGEngine()
-    inner = getattr(engine, "engine", None)
-    if inner is not None and not hasattr(engine, "encode_chunks"):
-        return inner
-    if not hasattr(engine, "encode_chunks"):
-        raise TypeError(f"expected a TurboRAGEngine or a TurboRAGLLM, got {type(engine).__name__}")
-    return engine
-
-
-class KVCachingVectorStore(BasePydanticVectorStore):
+class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     """Wraps any vector store; `add` also stores each node's KV blob, `delete` removes them.
 
     Each node gets metadata `turborag_kv_key` (its blob's key), excluded from LLM and embedding
-    text so it never reaches a prompt or an embedding.
+    text so it never reaches a prompt or an embedding. The texts are registered, with the
+    engine's fingerprint, in `registry` (None: that of a TurboRAGLLM given as `engine`, else the
+    engine's, `ChunkRegistry.for_engine`), where the LLM looks for them; an LLM running another
+    model then refuses them.
     """
 
     stores_text: bool = True
@@ -76,10 +67,11 @@ class KVCachingVectorStore(BasePydanticVectorStore):
 
     _inner: BasePydanticVectorStore = PrivateAttr()
     _engine: Any = PrivateAttr()
+    _registry: ChunkRegistry = PrivateAttr()
 
     def __init__(self, engine=None, vector_store: BasePydanticVectorStore | None = None, *,
                  path: str | Path | None = None, collection: str = DEFAULT_COLLECTION,
-                 **kwargs: Any):
+                 registry: ChunkRegistry | None = None, **kwargs: Any):
         if vector_store is not None and not isinstance(vector_store, BasePydanticVectorStore):
             raise TypeError("vector_store must be a llama_index BasePydanticVectorStore, got "
                             f"{type(vector_store).__name__}")
@@ -87,7 +79,7 @@ class KVCachingVectorStore(BasePydanticVectorStore):
         super().__init__(stores_text=inner.stores_text,
                          is_embedding_query=inner.is_embedding_query, **kwargs)
         self._inner = inner
-        self._engine = resolve_engine(engine)
+        self._bind(engine, registry)
 
     @classmethod
     def class_name(cls) -> str:
@@ -96,10 +88,6 @@ class KVCachingVectorStore(BasePydanticVectorStore):
     @property
     def vector_store(self) -> BasePydanticVectorStore:
         return self._inner
-
-    @property
-    def engine(self):
-        return self._engine
 
     @property
     def client(self) -> Any:
@@ -144,6 +132,7 @@ class KVCachingVectorStore(BasePydanticVectorStore):
         for (i, node, _), key in zip(todo, stored):
             node.metadata = {**node.metadata, KV_KEY_METADATA: key}
             keys[i] = key
+        self._register([text for _, _, text in todo])
         return keys
 
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> List[str]:
@@ -158,12 +147,12 @@ class KVCachingVectorStore(BasePydanticVectorStore):
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         """Delete the document's nodes, then the blobs no other document uses."""
         self._inner.delete(ref_doc_id, **delete_kwargs)
-        deleted = self._engine.store.delete_doc(ref_doc_id)
+        deleted = self._engine.forget_document(ref_doc_id)
         log.debug("deleted %d KV blobs of document %s", len(deleted), ref_doc_id)
 
     async def adelete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         await self._inner.adelete(ref_doc_id, **delete_kwargs)
-        await asyncio.to_thread(self._engine.store.delete_doc, ref_doc_id)
+        await asyncio.to_thread(self._engine.forget_document, ref_doc_id)
 
     # Blobs are referenced per document, so deleting single nodes (or clearing) leaves their
     # blobs on disk: they are content-addressed and harmless, and `delete(ref_doc_id)` or a

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from ..core.segment import split_prompt
-from ..core.stitch import Segment, independent_attention_mask, layout, plan_prompt
+from ..core.prefill.segment import split_prompt
+from ..core.prefill.stitch import Segment, independent_attention_mask, layout, plan_prompt
 from ..evaluation.prompt import DOC_END, DOC_START, build_prompt, render
 
 IGNORE = -100

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from turborag_integrations.core.blob import ChunkEncoder, KVBlob, fingerprint_model
+from turborag_integrations.core.prefill.blob import ChunkEncoder, KVBlob, fingerprint_model
 from turborag_integrations.core.store import KVStore, StoreWriteError
 from tests.conftest import tiny_model
 
@@ -33,7 +33,8 @@ def test_disk_full_gives_clear_error_and_leaves_nothing(tmp_path, blob):
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root) to fill a disk")
     try:
-        store = KVStore(mnt / "kv", memory_bytes=0)
+        # A budget above the disk's size, so that the disk, not the budget, says no.
+        store = KVStore(mnt / "kv", memory_bytes=0, disk_bytes="1GiB")
         with pytest.raises(StoreWriteError, match="disk is full"):
             store.put(big)
         leftovers = [p for p in (mnt / "kv").rglob("*") if p.is_file()]

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from turborag_integrations.core.blob import ChunkEncoder, fingerprint_model
+from turborag_integrations.core.prefill.blob import ChunkEncoder, fingerprint_model
 from turborag_integrations.core.store import KVStore
 from tests.conftest import tiny_model
 
@@ -94,7 +94,7 @@ def test_memory_tier_is_bounded_in_bytes(tmp_path, blobs):
 
 def test_hot_blobs_survive_a_one_off_scan(tmp_path, blobs):
     fp, (hot, *_) = blobs
-    from turborag_integrations.core.blob import KVBlob
+    from turborag_integrations.core.prefill.blob import KVBlob
     store = KVStore(tmp_path, memory_bytes=hot.nbytes * 3)
     hot_key = store.put(hot)
     for _ in range(3):

@@ -1,10 +1,13 @@
-"""KV store: chunk blobs on disk, with bounded memory tiers in front.
+"""KV store: blobs on disk within a byte budget, with bounded memory tiers in front.
 
-    store = KVStore("~/.cache/turborag/kv")        # disk tier + 2 GiB memory tier
-    key = store.put(blob, doc_id="a.md")            # content-addressed: same chunk, same key
-    blob = store.get(key, fingerprint)              # None on a miss; never another model's blob
+    with KVStore("~/.cache/turborag/kv") as store:      # disk tier + 2 GiB memory tier
+        key = store.put(blob, doc_id="a.md")            # content-addressed: same chunk, same key
+        store.put(head, kind="prefix")                  # a prompt head: bounded apart
+        blob = store.get(key, fingerprint)              # None on a miss; never another model's blob
 
-Reads go accelerator tier (when CUDA is present and a budget is given) → memory tier → disk.
+The store is an ordered list of tiers, fastest first: the accelerator tier (when CUDA is present
+and a budget is given), the memory tier, the disk tier, then any tiers passed as `tiers=` (remote
+caches shared by several machines). Every tier keeps the contract of `.tier.Tier`.
 """
 
 from __future__ import annotations
@@ -13,21 +16,28 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from ..blob import Fingerprint, KVBlob
-from ..errors import BlobCorrupted
+from ..prefill.blob import Fingerprint, KVBlob
+from ..errors import BlobCorrupted, TurboRAGError
+from .budget import parse_size
 from .codec import STORAGE_DTYPES
-from .disk import DiskTier, StoreWriteError
+from .disk import KINDS, DiskTier, StoreWriteError
 from .memory import MemoryTier
+from .tier import Tier, owned_copy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVStore", "StoreStats", "StoreWriteError", "STORAGE_DTYPES", "default_store_path"]
+__all__ = ["KVStore", "StoreStats", "StoreWriteError", "StoreClosedError", "Tier",
+           "STORAGE_DTYPES", "KINDS", "default_store_path", "parse_size"]
+
+
+class StoreClosedError(TurboRAGError, RuntimeError):
+    """A KVStore was used after close()."""
 
 
 def default_store_path() -> Path:
@@ -36,6 +46,10 @@ def default_store_path() -> Path:
     from ..models import cache_dir
 
     return cache_dir() / "kv"
+
+
+# Tiers whose hits have a field of their own in StoreStats; others count in `other_hits`.
+_NAMED_TIERS = ("accelerator", "memory", "disk")
 
 
 @dataclass
@@ -48,14 +62,17 @@ class StoreStats:
     fingerprint_rejects: int = 0
     writes: int = 0
     bytes_written: int = 0
+    disk_evictions: int = 0
     memory_bytes: int = 0
     memory_evictions: int = 0
     memory_rejections: int = 0
     accelerator_bytes: int = 0
+    other_hits: dict[str, int] = field(default_factory=dict)  # by tier name, for `tiers=`
 
     @property
     def hit_ratio(self) -> float:
-        hits = self.accelerator_hits + self.memory_hits + self.disk_hits
+        hits = (self.accelerator_hits + self.memory_hits + self.disk_hits
+                + sum(self.other_hits.values()))
         return hits / (hits + self.misses) if hits + self.misses else 0.0
 
     def as_dict(self) -> dict:
@@ -67,23 +84,42 @@ class StoreStats:
 class KVStore:
     """Durable, content-addressed storage of KV blobs.
 
+    disk_bytes bounds the disk tier and prefix_bytes its prefix blobs (ints or sizes such as
+    "20GB"; None: $TURBORAG_STORE_BYTES / $TURBORAG_STORE_PREFIX_BYTES, else half the room on
+    the store's file system up to 100 GiB, and a tenth of that up to 8 GiB; see `.budget`).
     memory_bytes bounds the RAM tier (0 disables it); accelerator_bytes, when CUDA is available,
     adds a tier in GPU memory in front of it. storage_dtype is how blobs are written: "native"
     (the model's dtype, exact), "bfloat16"/"float16", or "int8" (KIVI-style, about a quarter of
-    float32); any of them decodes to the model's dtype on load.
+    float32); any of them decodes to the model's dtype on load. `tiers` are further tiers (see
+    `.tier.Tier`), looked up after the disk tier in the order given.
+
+    Close the store (or use it as a context manager) to stop its prefetch threads and release
+    its tiers; closing twice is harmless. After close, get, put, contains, delete, delete_doc,
+    keys and prefetch raise StoreClosedError.
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, memory_bytes: int = 2 << 30,
                  storage_dtype: str = "native", accelerator_bytes: int = 0,
-                 prefetch_threads: int = 4):
-        self.disk = DiskTier(root or default_store_path(), storage_dtype)
+                 prefetch_threads: int = 4, tiers: Iterable[Tier] = (),
+                 disk_bytes: int | str | None = None, prefix_bytes: int | str | None = None):
+        self.disk = DiskTier(root or default_store_path(), storage_dtype, max_bytes=disk_bytes,
+                             prefix_bytes=prefix_bytes)
         self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
         self.accelerator = (MemoryTier(accelerator_bytes, device="cuda")
                             if accelerator_bytes > 0 and torch.cuda.is_available() else None)
+        extra = list(tiers)
+        for tier in extra:
+            if not isinstance(tier, Tier):
+                raise TypeError(f"{tier!r} does not keep the tier contract of "
+                                f"{Tier.__module__}.Tier")
+        self.tiers: tuple[Tier, ...] = tuple(
+            t for t in (self.accelerator, self.memory, self.disk, *extra) if t is not None)
+        self._disk_depth = self.tiers.index(self.disk)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._prefetch_threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     @property
     def root(self) -> Path:
@@ -93,22 +129,41 @@ class KVStore:
     def storage_dtype(self) -> str:
         return self.disk.storage_dtype
 
+    def _open_tiers(self) -> tuple[Tier, ...]:
+        if self._closed:
+            raise StoreClosedError(f"the KV store at {self.root} is closed")
+        return self.tiers
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self._stats, name, getattr(self._stats, name) + n)
 
-    def _tiers(self) -> list[tuple[str, MemoryTier]]:
-        tiers = [("accelerator_hits", self.accelerator), ("memory_hits", self.memory)]
-        return [(name, t) for name, t in tiers if t is not None]
+    def _count_hit(self, tier: Tier) -> None:
+        if tier.name in _NAMED_TIERS:
+            self._count(f"{tier.name}_hits")
+            return
+        with self._lock:
+            others = self._stats.other_hits
+            others[tier.name] = others.get(tier.name, 0) + 1
 
     # ---- write ------------------------------------------------------------------------------
-    def put(self, blob: KVBlob, *, doc_id: str | None = None) -> str:
-        """Store a blob (no rewrite if it is already there) and record its document."""
+    def put(self, blob: KVBlob, *, doc_id: str | None = None, kind: str = "chunk") -> str:
+        """Store a blob in every write-through tier (no rewrite where it is already there) and
+        record its document. Cache tiers are filled by reads, not here.
+
+        `kind` is "chunk" (a document's chunk, the default) or "prefix" (a prompt head or a
+        RAPID document prefix: written per query, so the disk tier bounds them apart, see
+        `prefix_bytes`). A blob larger than its bound is not written (a warning says which
+        setting to raise); the key is returned all the same."""
+        if kind not in KINDS:
+            raise ValueError(f"a blob's kind is one of {KINDS}, not {kind!r}")
         key = blob.key
-        if not self.disk.contains(key):
-            written = self.disk.put(key, blob)
-            self._count("writes")
-            self._count("bytes_written", written)
+        for tier in self._open_tiers():
+            if tier.write_through and not tier.contains(key):
+                held = self.disk.put(key, blob, kind) if tier is self.disk else tier.put(key, blob)
+                if held:
+                    self._count("bytes_written", held)
+                    self._count("writes")
         if doc_id:
             self.disk.add_ref(key, doc_id)
         return key
@@ -119,69 +174,112 @@ class KVStore:
 
     # ---- read -------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        return any(key in tier for _, tier in self._tiers()) or self.disk.contains(key)
+        return any(tier.contains(key) for tier in self._open_tiers())
 
     def get(self, key: str, fingerprint: Fingerprint | None = None) -> KVBlob | None:
-        """The blob under key, or None on a miss. A corrupted file is reported, removed and
-        counted as a miss; a blob of another fingerprint is never returned."""
-        blob, tier_name = None, "disk_hits"
-        for name, tier in self._tiers():
-            blob = tier.get(key)
-            if blob is not None:
-                tier_name = name
-                break
-        if blob is None:
-            try:
-                found = self.disk.read(key)
-            except BlobCorrupted as exc:
-                log.warning("discarding corrupted KV blob: %s", exc)
-                self._count("corrupt")
-                self.disk.delete(key)
-                found = None
-            if found is None:
-                self._count("misses")
-                return None
-            blob = found[1]
+        """The blob under key, or None on a miss; never a blob of another fingerprint.
+
+        Tiers are asked fastest first. A corrupted entry is reported and removed, and the lookup
+        goes on in the next tier. A hit is copied into the faster tiers that missed it."""
+        tiers = self._open_tiers()
+        found = self._find(tiers, key)
+        if found is None:
+            self._count("misses")
+            return None
+        depth, blob = found
         if fingerprint is not None and blob.fingerprint.id != fingerprint.id:
             log.warning("KV blob %s belongs to %s, not %s; ignoring it", key,
                         blob.fingerprint.describe(), fingerprint.describe())
             self._count("fingerprint_rejects")
             self._count("misses")
             return None
-        self._count(tier_name)
-        if tier_name == "disk_hits" and self._tiers():
-            # Disk blobs are views of a memory map: the page cache, not ours to keep. A memory
-            # tier must own its bytes, or evicted pages would be re-read from disk on a "hit".
-            blob = replace(blob, token_ids=blob.token_ids.clone(), keys=blob.keys.clone(),
-                           values=blob.values.clone())
-        for name, tier in self._tiers():
-            if name == tier_name:
-                break
-            tier.put(key, blob)  # promote into the faster tiers it missed
+        source = tiers[depth]
+        self._count_hit(source)
+        if depth < self._disk_depth:
+            self.disk.note_read(key)  # a cache hit is a use the disk tier's eviction must see
+        faster = tiers[:depth]
+        if faster and source.lends_views:
+            # A view of a memory map is the page cache's, not ours to keep: a cache tier must
+            # own its bytes, or evicted pages would be re-read from disk on a "hit".
+            blob = owned_copy(blob)
+        for tier in faster:
+            self._promote(tier, key, blob)
         return blob
+
+    def _find(self, tiers: tuple[Tier, ...], key: str) -> tuple[int, KVBlob] | None:
+        """The first tier (by index) that holds a sound entry for key, with that entry."""
+        for depth, tier in enumerate(tiers):
+            try:
+                blob = tier.get(key)
+            except BlobCorrupted as exc:
+                log.warning("discarding corrupted KV blob in the %s tier: %s", tier.name, exc)
+                self._count("corrupt")
+                tier.delete(key)
+                continue
+            if blob is not None:
+                return depth, blob
+        return None
+
+    @staticmethod
+    def _promote(tier: Tier, key: str, blob: KVBlob) -> None:
+        try:
+            tier.put(key, blob)
+        except OSError as exc:
+            # The read already has its blob; a tier that cannot take a copy (a full disk under
+            # a remote hit) only costs a later lookup.
+            log.warning("could not copy KV blob %s into the %s tier: %s", key, tier.name, exc)
 
     def prefetch(self, keys: Iterable[str], fingerprint: Fingerprint | None = None
                  ) -> list[Future]:
-        """Start loading blobs into the memory tiers in background threads."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._prefetch_threads, thread_name_prefix="kv-prefetch")
-        return [self._pool.submit(self.get, key, fingerprint) for key in keys]
+        """Start loading blobs in background threads; each is a `get`, so hits fill the faster
+        tiers."""
+        self._open_tiers()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._prefetch_threads,
+                                                thread_name_prefix="kv-prefetch")
+            pool = self._pool
+        return [pool.submit(self.get, key, fingerprint) for key in keys]
 
     # ---- management -------------------------------------------------------------------------
     def delete(self, key: str) -> bool:
-        in_memory = any([tier.delete(key) for _, tier in self._tiers()])
-        return self.disk.delete(key) or in_memory
+        """Remove key from every tier; True if any held it."""
+        return any([tier.delete(key) for tier in self._open_tiers()])  # a list: ask them all
 
     def delete_doc(self, doc_id: str) -> list[str]:
         """Forget a document: delete the blobs only it used. Returns the deleted keys."""
+        self._open_tiers()
         deleted = self.disk.delete_doc(doc_id)
         for key in deleted:
-            for _, tier in self._tiers():
-                tier.delete(key)
+            self.delete(key)  # the copies in the other tiers
         return deleted
 
     def keys(self) -> list[str]:
-        return sorted(self.disk.keys())
+        """Every key held by a write-through tier, sorted."""
+        held = set()
+        for tier in self._open_tiers():
+            if tier.write_through:
+                held.update(tier.keys())
+        return sorted(held)
+
+    def close(self) -> None:
+        """Stop the prefetch threads (queued prefetches are cancelled, running ones finish) and
+        close every tier. Closing twice is harmless."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def gc(self, keep: Fingerprint, *, temp_older_than_s: float = 3600.0) -> list[str]:
         """Delete every blob made by another model setup than `keep`, and temp files left by
@@ -192,15 +290,22 @@ class KVStore:
             try:
                 meta = self.disk.read_meta(key) or {}
                 same = Fingerprint.from_json(meta["fingerprint"]).id == keep.id
-            except (BlobCorrupted, KeyError, ValueError):
+            except (BlobCorrupted, KeyError, TypeError, ValueError):
                 same = False
             if not same:
                 self.delete(key)
                 deleted.append(key)
         return deleted
 
+    def shrink(self, max_bytes: int | str) -> list[str]:
+        """Evict the coldest blobs from the disk tier until it holds at most max_bytes (an int or
+        a size such as "2GB"). Returns the keys removed; copies in the memory tiers stay."""
+        self._open_tiers()
+        return self.disk.shrink(parse_size(max_bytes))
+
     def verify(self, *, remove: bool = False) -> dict[str, str]:
-        """Check every blob's checksum now. Returns {key: problem}; removes them if asked."""
+        """Check every blob's checksum (of header and data) now, whatever was verified before.
+        Returns {key: problem}; removes them if asked."""
         problems = {}
         for key in self.disk.keys():
             try:
@@ -220,8 +325,14 @@ class KVStore:
             s.memory_rejections = self.memory.rejections
         if self.accelerator is not None:
             s.accelerator_bytes = self.accelerator.bytes
+        s.disk_evictions = self.disk.evictions
         return s
 
     def disk_usage(self) -> dict:
-        keys = list(self.disk.keys())
-        return {"blobs": len(keys), "bytes": sum(self.disk.size_of(k) for k in keys)}
+        """Blobs and bytes on disk (all kinds), the prefix blobs' share, and the budgets."""
+        usage = self.disk.usage()
+        limit, prefix_limit = self.disk.budget()
+        return {"blobs": sum(u["blobs"] for u in usage.values()),
+                "bytes": sum(u["bytes"] for u in usage.values()),
+                "prefix_blobs": usage["prefix"]["blobs"], "prefix_bytes": usage["prefix"]["bytes"],
+                "budget_bytes": limit, "prefix_budget_bytes": prefix_limit}

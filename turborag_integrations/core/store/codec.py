@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blob import Fingerprint, KVBlob
+from ..prefill.blob import Fingerprint, KVBlob
 
 STORAGE_DTYPES = ("native", "float32", "bfloat16", "float16", "int8")
 _FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,8 +61,63 @@ def to_stored(blob: KVBlob, storage_dtype: str) -> tuple[dict[str, torch.Tensor]
     return tensors, {"storage_dtype": storage_dtype, "base_position": str(blob.base_position)}
 
 
+_INT8_TENSORS = {"keys": torch.uint8, "values": torch.uint8, "key_min": torch.float16,
+                 "key_step": torch.float16, "value_min": torch.float16, "value_step": torch.float16}
+
+
+def _model_dtype(fingerprint: Fingerprint) -> torch.dtype:
+    dtype = getattr(torch, str(fingerprint.dtype), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the fingerprint names no torch dtype: {fingerprint.dtype!r}")
+    return dtype
+
+
+def check_layout(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Raise ValueError unless the tensors are what `to_stored` writes for meta's storage dtype.
+
+    A header that names another layout than its data (int8 codes read as floats, a storage
+    dtype that does not match the tensors) would decode to garbage KV without an error."""
+    storage = meta.get("storage_dtype")
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage dtype {storage!r}")
+    ids = tensors.get("token_ids")
+    if ids is None or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError("token_ids is not a vector of integers")
+    n = ids.shape[0]
+    if storage == "int8":
+        expected = _INT8_TENSORS
+    else:
+        # "native" keeps whatever float dtype the KV came in (the model's, as a rule).
+        stored = _FLOATS.get(storage, tensors.get("keys", ids).dtype)
+        if not stored.is_floating_point:
+            raise ValueError(f"keys of {storage} storage are {stored}, not floats")
+        expected = {"keys": stored, "values": stored}
+    if set(tensors) != {"token_ids", *expected}:
+        raise ValueError(f"tensors {sorted(tensors)} are not those of {storage} storage")
+    for name, dtype in expected.items():
+        if tensors[name].dtype != dtype:
+            raise ValueError(f"{name} is {tensors[name].dtype}; {storage} storage writes {dtype}")
+    keys, values = tensors["keys"], tensors["values"]
+    if storage == "int8":
+        agree = keys.dim() == 5 and values.dim() == 4
+        if agree:
+            L, H, G, S, D = keys.shape
+            agree = (S == KEY_GROUP and G == -(-n // KEY_GROUP) and values.shape[:3] == (L, H, n)
+                     and tensors["key_min"].shape == tensors["key_step"].shape == (L, H, G, 1, D)
+                     and tensors["value_min"].shape == tensors["value_step"].shape
+                     == (L, H, n, 1))
+    else:
+        agree = (keys.dim() == values.dim() == 4 and keys.shape[:3] == values.shape[:3]
+                 and keys.shape[2] == n)
+    if not agree:
+        raise ValueError(f"shapes of {storage} storage do not agree with {n} tokens: "
+                         + ", ".join(f"{k} {list(t.shape)}" for k, t in sorted(tensors.items())))
+
+
 def from_stored(tensors: dict[str, torch.Tensor], meta: dict, fingerprint: Fingerprint) -> KVBlob:
-    dtype = getattr(torch, fingerprint.dtype)
+    """The blob of a stored form, in the model's dtype; ValueError when the form is inconsistent."""
+    dtype = _model_dtype(fingerprint)
+    check_layout(tensors, meta)
     if meta.get("storage_dtype") == "int8":
         n = tensors["token_ids"].shape[0]
         grouped = _dequantize(tensors["keys"], tensors["key_min"], tensors["key_step"])

@@ -13,13 +13,21 @@ from dataclasses import replace
 
 import torch
 
-from ..blob import KVBlob
+from ..prefill.blob import KVBlob
+from .tier import Tier
 
 
-class MemoryTier:
-    def __init__(self, max_bytes: int = 2 << 30, *, device: str | torch.device = "cpu"):
+class MemoryTier(Tier):
+    """A cache tier in RAM, or in accelerator memory when `device` is one (named "accelerator").
+
+    It keeps the blobs it is given (moved to its device) and hands out the objects it holds.
+    """
+
+    def __init__(self, max_bytes: int = 2 << 30, *, device: str | torch.device = "cpu",
+                 name: str | None = None):
         self.max_bytes = int(max_bytes)
         self.device = torch.device(device)
+        self.name = name or ("memory" if self.device.type == "cpu" else "accelerator")
         self.bytes = 0
         self.evictions = 0
         self.rejections = 0
@@ -44,15 +52,17 @@ class MemoryTier:
                 self._items.move_to_end(key)
             return blob
 
-    def put(self, key: str, blob: KVBlob) -> bool:
-        """Admit a blob if it fits and is not colder than what it would evict."""
+    def put(self, key: str, blob: KVBlob) -> int:
+        """Admit a blob if it fits and is not colder than what it would evict. Returns the bytes
+        held for it, 0 if not admitted."""
         size = blob.nbytes
         if size > self.max_bytes:
-            return False
+            return 0
         with self._lock:
-            if key in self._items:
+            held = self._items.get(key)
+            if held is not None:
                 self._items.move_to_end(key)
-                return True
+                return held.nbytes
             freq = self._freq.get(key, 0)
             victims, freed = [], 0
             for victim_key, victim in self._items.items():  # from least recently used
@@ -60,7 +70,7 @@ class MemoryTier:
                     break
                 if self._freq.get(victim_key, 0) > freq:
                     self.rejections += 1
-                    return False
+                    return 0
                 victims.append(victim_key)
                 freed += victim.nbytes
             for victim_key in victims:
@@ -71,7 +81,7 @@ class MemoryTier:
                                values=blob.values.to(self.device))
             self._items[key] = blob
             self.bytes += size
-            return True
+            return size
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -80,10 +90,16 @@ class MemoryTier:
                 self.bytes -= blob.nbytes
             return blob is not None
 
+    def contains(self, key: str) -> bool:
+        return key in self._items  # not a use: leaves the frequency counts alone
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
             self.bytes = 0
+
+    def close(self) -> None:
+        self.clear()  # frees the memory now, not when the last reference to the store goes
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -92,5 +108,4 @@ class MemoryTier:
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
+    __contains__ = contains

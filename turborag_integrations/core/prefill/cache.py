@@ -92,7 +92,10 @@ class PreallocatedLayer(CacheLayerMixin):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last -tokens_to_remove tokens (transformers 5 convention: n <= 0)."""
+        """Drop the last -tokens_to_remove tokens (transformers 5 convention: n <= 0).
+
+        The layer interface transformers calls; our own code shortens a cache with
+        `KVCache.truncate`."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a non-positive count of tokens to remove")
         self.length = max(0, self.length + tokens_to_remove)
@@ -121,12 +124,28 @@ class KVCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.k.device
+
     def reserve(self, total: int) -> None:
         self.storage.reserve(total, keep=self.length)
 
     def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (the one way our code shortens a cache: O(1), the
+        buffers stay)."""
         for layer in self.layers:
             layer.length = min(layer.length, length)
+
+    def export(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of the first n tokens' keys and values, [layers, kv_heads, n, head_dim]
+        (batch row 0): the tensors of a KV blob."""
+        return (self.storage.k[:, 0, :, :n].clone().cpu(),
+                self.storage.v[:, 0, :, :n].clone().cpu())
 
     def slot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Claim the next n positions in every layer; return writable [layers, batch, heads, n, dim]

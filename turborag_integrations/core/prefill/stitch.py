@@ -17,44 +17,27 @@ Positions:
   chunk's keys are re-rotated from 0..n−1 to start..start+n−1.
 - "composite": each chunk keeps 0..n−1; other tokens continue from one past the largest position
   used so far.
+
+On CPU the masked prefill runs under `core.attention.sdpa_gqa`: grouped-query SDPA instead of
+one copy of every key/value head per query head, for this forward only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
 
+from ..attention import sdpa_gqa
 from .blob import Fingerprint, KVBlob
 from .cache import CachePool, KVCache
-from .errors import ContextWindowError
+from ..errors import ContextWindowError
+from ..settings import POSITION_MODES, check_choice
 from .rope import KeyRotator
 
 Positions = Literal["reordered", "composite"]
-POSITION_MODES = ("reordered", "composite")
-
-
-@contextlib.contextmanager
-def sdpa_gqa(device: torch.device):
-    """Let transformers' SDPA path use grouped-query attention even with a mask.
-
-    By default it copies every key/value head once per query head (repeat_kv) whenever a mask
-    is given, because CUDA's fused kernels refuse masked GQA. PyTorch's CPU kernel handles it and
-    gives bit-identical results: at 4K cached tokens the question prefill is ~17% faster. The
-    switch is transformers' own environment variable, set only around our forward on CPU.
-    """
-    if device.type != "cpu" or os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") is not None:
-        yield
-        return
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
 
 
 @dataclass(frozen=True)
@@ -102,8 +85,7 @@ def plan_prompt(segments: Sequence[Segment], tokenizer, *, positions: Positions 
 
     `reserve` tokens (the planned generation) must also fit in `context_window`.
     """
-    if positions not in POSITION_MODES:
-        raise ValueError(f"positions must be one of {POSITION_MODES}, not {positions!r}")
+    check_choice("positions", positions, POSITION_MODES)
     segments = list(segments)
     # The last token's logits start generation, so the prompt must end with prefilled text; a
     # trailing chunk is simply prefilled (correct, just not reused).
@@ -156,7 +138,7 @@ def assemble(model, plan: StitchPlan, rotator: KeyRotator, capacity: int,
              pool: CachePool | None = None) -> KVCache:
     """Write every cached chunk into an empty cache, keys rotated to their positions."""
     cache = pool.acquire(model, capacity) if pool is not None else KVCache.empty(model, capacity)
-    dtype, device = cache.storage.k.dtype, cache.storage.k.device
+    dtype, device = cache.dtype, cache.device
     for span in plan.spans:
         # Blobs may be stored in another dtype (int8 decodes to float) or come from host memory
         # for a model on an accelerator: cast and move first (no-ops otherwise), so that the

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import xxhash
 
-from .errors import EmptyChunkError, FingerprintMismatch
+from ..errors import EmptyChunkError, FingerprintMismatch
 
 FORMAT_VERSION = 1
 PLAIN = "plain"

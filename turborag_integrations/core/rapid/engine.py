@@ -1,0 +1,321 @@
+"""RAPID: retrieval-augmented speculative decoding (arXiv 2502.20330), the facade.
+
+A target model reads the whole long context; a drafter sharing its vocabulary reads only the
+chunks retrieved for the question (stitched from their TurboRAG blobs) and proposes γ tokens per
+round; the target verifies them in one forward and accepts a prefix (rapid/speculation.py; the
+acceptance math is decode/sampling.py).
+
+    rapid = RapidEngine(TurboRAGEngine())                 # self-speculation: one model, two contexts
+    result = rapid.generate(long_document, "Who built the kiln?")
+    print(result.text, result.stats.acceptance_rate, result.stats.decode_tokens_per_s)
+
+Reuse: the drafter's chunks come from the KV store as TurboRAG blobs (encoded once, on first
+use); the target's long-context prefill is kept as an exact prefix cache: the KV of the prompt up
+to the end of the context, stored as a KV blob under the content key of its token ids (a prefix
+encoded from position 0 is exactly a chunk blob of those tokens), so a second question on the
+same document prefills only the question.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import xxhash
+
+from ..decode.loop import decode_loop, eos_token_ids, now
+from ..decode.selfspec import DraftStats
+from ..engine import TurboRAGEngine
+from ..errors import ContextWindowError, ModelError
+from ..prefill.blob import KVBlob
+from ..prefill.cache import KVCache
+from ..prefill.stitch import Prefill, Segment
+from ..run import GenerationResult, GenerationStream, Run, RunStats
+from ..settings import GenerationConfig, SpeculationConfig
+from .context import ContextIndex, DrafterContext, document_order
+from .speculation import Side, speculate
+
+log = logging.getLogger(__name__)
+
+
+class VocabularyMismatch(ModelError):
+    """Target and drafter do not share one vocabulary."""
+
+
+@dataclass
+class RapidStats(RunStats, DraftStats):
+    """What one RAPID call cost: both prefills, the drafter's retrieval, the rounds."""
+
+    target_prefill_s: float = 0.0
+    drafter_prefill_s: float = 0.0
+    retrieval_s: float = 0.0
+    target_prompt_tokens: int = 0
+    target_reused_tokens: int = 0  # from the prefix cache
+    target_prefix_hit: bool = False
+    drafter_prompt_tokens: int = 0
+    drafter_reused_tokens: int = 0  # from chunk blobs
+    drafter_chunks: int = 0
+    prefix_store_s: float = 0.0
+    gamma: int = 0
+    eta: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted)
+        return d
+
+
+RapidResult = GenerationResult  # text, token ids, and RapidStats
+
+
+def check_same_vocabulary(target: TurboRAGEngine, drafter: TurboRAGEngine) -> None:
+    t_name, d_name = target.loaded.name, drafter.loaded.name
+    if target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
+        raise VocabularyMismatch(
+            f"RAPID needs one vocabulary: the target {t_name!r} and the drafter {d_name!r} have "
+            "different tokenizers. Pick a drafter from the target's model family.")
+    tv = target.model.get_output_embeddings().weight.shape[0]
+    dv = drafter.model.get_output_embeddings().weight.shape[0]
+    if tv != dv:
+        raise VocabularyMismatch(
+            f"RAPID needs one vocabulary: the target {t_name!r} scores {tv} tokens and the "
+            f"drafter {d_name!r} scores {dv}.")
+
+
+def default_template(context: str, question: str) -> str:
+    """The user turn: the context, a blank line, the question (the question alone if no context)."""
+    return f"{context}\n\n{question}" if context else question
+
+
+def split_question(text: str) -> tuple[str, str]:
+    """(context, question) of a prompt that ends with its question after a blank line."""
+    head, sep, tail = text.rstrip().rpartition("\n\n")
+    if not sep or not tail.strip():
+        return "", text.strip()
+    return head, tail.strip()
+
+
+class RapidEngine:
+    """RAPID over two TurboRAGEngines (one engine = self-speculation: same model, short context).
+
+    gamma, eta, residual: the verification (`settings.SpeculationConfig`); chunk_tokens,
+    threshold, max_drafter_tokens, compression: the drafter's own retrieval (chunks of
+    chunk_tokens; cosine ≥ threshold; at most min(max_drafter_tokens, |context| / compression)
+    tokens; kept in document order).
+    """
+
+    def __init__(self, target: TurboRAGEngine, drafter: TurboRAGEngine | None = None, *,
+                 gamma: int = 10, eta: float = 0.0, residual: str = "rapid",
+                 chunk_tokens: int = 512, threshold: float = 0.3, max_drafter_tokens: int = 4096,
+                 compression: float = 4.0, embedder=None, prefix_cache: bool = True,
+                 template: Callable[[str, str], str] = default_template,
+                 system: str | None = None, verify_split: bool = True):
+        drafter = drafter or target
+        if drafter is not target:
+            check_same_vocabulary(target, drafter)
+        SpeculationConfig(gamma, eta, residual)
+        if compression <= 0 or max_drafter_tokens < 1:
+            raise ValueError("compression must be > 0 and max_drafter_tokens ≥ 1")
+        self.target, self.drafter = target, drafter
+        self.gamma, self.eta, self.residual = gamma, eta, residual
+        self.chunk_tokens, self.threshold = chunk_tokens, threshold
+        self.max_drafter_tokens, self.compression = max_drafter_tokens, compression
+        self._embedder = embedder
+        self.prefix_cache = prefix_cache
+        self.template = template
+        self.system = system
+        self.verify_split = verify_split
+        self.eos_ids = eos_token_ids(target.model, target.tokenizer)
+        self._index: tuple[str, ContextIndex] | None = None
+        self._prefix: tuple[str, KVBlob] | None = None  # last prefix blob, always in memory
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            from ..retrieval.embedding import load_embedder
+
+            self._embedder = load_embedder()
+        return self._embedder
+
+    # ---- prompts --------------------------------------------------------------------------
+    def render(self, engine: TurboRAGEngine, context: str, question: str) -> tuple[str, str]:
+        """(prefix, suffix): the prompt split right after the context (prefix '' if none)."""
+        messages = [{"role": "user", "content": self.template(context, question)}]
+        if self.system:
+            messages.insert(0, {"role": "system", "content": self.system})
+        prompt = engine.render_chat(messages)
+        if not context:
+            return "", prompt
+        at = prompt.find(context)
+        if at < 0:
+            raise ValueError("the template must contain the context verbatim")
+        end = at + len(context)
+        return prompt[:end], prompt[end:]
+
+    def drafter_context(self, context: str, question: str) -> DrafterContext:
+        """The drafter's own retrieval: chunk_tokens-token chunks over `context`, cosine ≥
+        threshold, best first within the token budget, then back in document order."""
+        t0 = now()
+        digest = xxhash.xxh3_128_hexdigest(context.encode())
+        with self._lock:
+            if self._index is None or self._index[0] != digest:
+                self._index = (digest, ContextIndex(context, self.drafter.tokenizer,
+                                                    self.chunk_tokens, self.embedder))
+            index = self._index[1]
+        budget = int(min(self.max_drafter_tokens, sum(index.tokens) / self.compression))
+        chosen, used, retrieved = index.select(question, threshold=self.threshold, budget=budget)
+        return DrafterContext([index.chunks[i] for i in chosen], used, retrieved,
+                              len(index.chunks), budget, now() - t0)
+
+    # ---- generation -----------------------------------------------------------------------
+    def stream(self, context: str, question: str, *, chunks: Sequence[str] | None = None,
+               config: GenerationConfig | None = None, gamma: int | None = None,
+               eta: float | None = None) -> GenerationStream:
+        """Answer `question` over `context`; iterate for text deltas, then read `.result`.
+
+        chunks: the drafter's context given by the caller (a framework's retriever), read in
+        document order (`rapid.context.document_order`); None: the engine retrieves them from
+        `context` itself. An empty list: the question alone.
+        """
+        config = config or GenerationConfig()
+        speculation = SpeculationConfig(self.gamma if gamma is None else gamma,
+                                        self.eta if eta is None else eta, self.residual)
+        return GenerationStream(start=lambda: self._start(context, question, chunks, config,
+                                                          speculation))
+
+    def generate(self, context: str, question: str, **kwargs) -> RapidResult:
+        stream = self.stream(context, question, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result  # type: ignore[return-value]
+
+    def check_target_window(self, prefix: str, suffix: str,
+                            max_new_tokens: int) -> tuple[list[int], int]:
+        """Tokenize the target prompt and check it fits, before any compute.
+
+        Returns (prefix_ids, limit): limit is max_new_tokens clipped to the room left.
+        """
+        engine = self.target
+        tok = engine.tokenizer
+        prefix_ids = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+        total = len(prefix_ids) + len(tok(suffix, add_special_tokens=False)["input_ids"])
+        if total + 1 > engine.context_window:
+            raise ContextWindowError(
+                f"the prompt is {total} tokens, more than the target {engine.loaded.name!r} can "
+                f"read (context window {engine.context_window}, and at least one token to "
+                "generate); shorten the context")
+        return prefix_ids, max(0, min(max_new_tokens, engine.context_window - total))
+
+    def target_prefill(self, prefix: str, suffix: str, reserve: int):
+        """The target's prefill, reusing the prefix cache. Returns (Prefill, prefix_key, hit)."""
+        engine = self.target
+        blob, key = None, None
+        if prefix and self.prefix_cache:
+            key = engine.prefix_key(prefix)
+            if self._prefix is not None and self._prefix[0] == key:
+                blob = self._prefix[1]
+            elif self._native_store():
+                blob = engine.store.get(key, engine.prefix_fingerprint)
+        segments = [Segment(prefix, blob), Segment(suffix)] if prefix else [Segment(suffix)]
+        pre = engine.prefill(segments, reserve=reserve)
+        return pre, key, blob is not None
+
+    def _native_store(self) -> bool:
+        # A lossy store (int8, half) would make the "exact" prefix cache inexact.
+        return self.target.store.storage_dtype == "native"
+
+    def _save_prefix(self, key: str, cache: KVCache, ids: list[int]) -> None:
+        keys, values = cache.export(len(ids))
+        blob = KVBlob(token_ids=torch.as_tensor(ids, dtype=torch.long), keys=keys,
+                      values=values, fingerprint=self.target.prefix_fingerprint)
+        self._prefix = (key, blob)
+        if self._native_store():
+            self.target.store.put(blob, kind="prefix")  # bounded apart from the chunk blobs
+
+    def _drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
+                         reserve: int) -> Prefill:
+        """The drafter's prompt over its chunks, stitched from their blobs (encoded on first
+        use)."""
+        if chunks is None:
+            dctx = self.drafter_context(context, question) if context else None
+            chosen = dctx.chunks if dctx else []
+            stats.retrieval_s = dctx.retrieval_s if dctx else 0.0
+        else:
+            chosen = document_order(context, list(chunks))
+        prefix, suffix = self.render(self.drafter, "\n\n".join(chosen), question)
+        t0 = now()
+        segments, _, _ = self.drafter.segments(prefix + suffix, chosen, encode_missing=True)
+        pre = self.drafter.prefill(segments, reserve=reserve)
+        stats.drafter_prefill_s = now() - t0
+        stats.drafter_prompt_tokens = len(pre.plan.token_ids)
+        stats.drafter_reused_tokens = pre.plan.reused_tokens
+        stats.drafter_chunks = len(chosen)
+        return pre
+
+    def _start(self, context: str, question: str, chunks, config: GenerationConfig,
+               speculation: SpeculationConfig) -> Run:
+        stats = RapidStats(gamma=speculation.gamma, eta=speculation.eta)
+        if not question or not question.strip():
+            raise ValueError("give a question")
+        # Target prompt first: a context too long for the target fails before any compute.
+        t_prefix, t_suffix = self.render(self.target, context, question)
+        prefix_ids, limit = self.check_target_window(t_prefix, t_suffix, config.max_new_tokens)
+        reserve = limit + speculation.gamma + 2
+        pre_t, key, hit = self.target_prefill(t_prefix, t_suffix, reserve)
+        stats.target_prefill_s = pre_t.timings["assembly_s"] + pre_t.timings["prefill_s"]
+        stats.target_prompt_tokens = len(pre_t.plan.token_ids)
+        stats.target_reused_tokens = pre_t.plan.reused_tokens
+        stats.target_prefix_hit = hit
+        try:
+            pre_d = self._drafter_prefill(context, question, chunks, stats, reserve)
+        except BaseException:
+            self.target.cache_pool.release(pre_t.cache)
+            raise
+        target = Side(self.target.model, pre_t.cache, pre_t.logits, pre_t.next_position)
+        drafter = Side(self.drafter.model, pre_d.cache, pre_d.logits, pre_d.next_position)
+        rounds = speculate(target, drafter, config, gamma=speculation.gamma, eta=speculation.eta,
+                           residual=speculation.residual, eos_ids=self.eos_ids,
+                           max_new_tokens=limit, verify_split=self.verify_split)
+
+        def finish() -> None:
+            if key is not None and not hit:
+                # Decoding only appends after the prefix, so the cache still holds it exactly.
+                t0 = now()
+                self._save_prefix(key, pre_t.cache, prefix_ids)
+                stats.prefix_store_s = now() - t0
+            self.target.cache_pool.release(pre_t.cache)
+            self.drafter.cache_pool.release(pre_d.cache)
+
+        return Run(_counted(rounds, stats), stats, limit, self.target.tokenizer, config.stop,
+                   finish)
+
+
+def _counted(rounds, stats: RapidStats):
+    """The rounds' tokens, counting drafts and acceptances (round 0 is the first token, from the
+    prefills, not a verification)."""
+    try:
+        for i, rnd in enumerate(rounds):
+            if i:
+                stats.rounds += 1
+                stats.drafted += rnd.drafted
+                stats.accepted += rnd.accepted
+            yield rnd.tokens
+    finally:
+        rounds.close()
+
+
+def target_greedy(engine: TurboRAGEngine, prefix: str, suffix: str, max_new_tokens: int) -> list[int]:
+    """The target's own greedy answer over the same token ids RAPID uses (prefix and suffix
+    tokenized apart): the reference a lossless η = 0 run must reproduce."""
+    pre = engine.prefill([Segment(prefix), Segment(suffix)] if prefix else [Segment(suffix)],
+                         reserve=max_new_tokens)
+    eos = eos_token_ids(engine.model, engine.tokenizer)
+    try:
+        return list(decode_loop(engine.model, pre.cache, pre.logits, pre.next_position,
+                                GenerationConfig(max_new_tokens=max_new_tokens), eos))
+    finally:
+        engine.cache_pool.release(pre.cache)

@@ -1,0 +1,160 @@
+"""One speculation: a drafter proposes γ tokens, the target verifies them in one forward.
+
+`speculate` runs rounds over two `Side`s (a model, its cache and its next position) and yields
+what each round produced; the acceptance rule is `decode.sampling.accept_drafts` (RAPID's
+retrieval-augmented distribution, lossless at η = 0). The facade that prepares both sides from
+a long context and its retrieved chunks is `rapid.engine.RapidEngine`.
+
+Caches: the target cache holds the context and every accepted token but the last; the drafter
+cache likewise, plus possibly the last accepted draft when a whole round was accepted. A round
+feeds the pending tokens and drafts to both, then truncates both to what was accepted (O(1)),
+so after any round each cache equals a fresh prefill of the accepted sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ..attention import sdpa_gqa, suffix_causal
+from ..decode.fast import FastDecoder
+from ..decode.sampling import AcceptRule, accept_drafts, first_token, sample
+from ..prefill.cache import KVCache
+from ..settings import GenerationConfig, SpeculationConfig
+
+
+@dataclass
+class Side:
+    """One model's state: its cache holds every accepted token except `pending`.
+
+    `position` is the RoPE position of the next token fed (stitched caches need not have one
+    position per cache entry, so it is tracked apart from the cache length).
+    """
+
+    model: object
+    cache: KVCache
+    logits: torch.Tensor  # next-token logits of the prefill
+    position: int
+    pending: list[int] = field(default_factory=list)
+    fast: bool = True  # decode.FastDecoder where the model allows it, as the plain decode loop
+
+    def __post_init__(self):
+        # looked up once per generation, not per fed token (the support check walks the model)
+        self._decoder = FastDecoder.for_model(self.model) if self.fast else None
+
+    def feed(self, tokens: Sequence[int], keep: int = 1, verify: bool = False) -> torch.Tensor:
+        """Append `tokens` to the cache; return the logits of the last `keep` of them.
+
+        verify: several tokens attend through the split attention of core/attention.py
+        (the fast decoder always does); otherwise through SDPA with a mask (grouped-query on
+        CPU). Both switches hold for this forward only: other threads using the same model are
+        unaffected.
+        """
+        decoder = self._decoder if verify or len(tokens) == 1 else None
+        if decoder is not None:
+            with torch.inference_mode():
+                logits = decoder.forward(tokens, self.position, self.cache)
+            self.position += len(tokens)
+            return logits[-keep:]
+        device = self.cache.device
+        ids = torch.tensor([list(tokens)], device=device)
+        pos = torch.arange(self.position, self.position + len(tokens), device=device)[None]
+        with torch.inference_mode(), suffix_causal(self.model, verify and len(tokens) > 1), \
+                sdpa_gqa(device):
+            out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
+                             logits_to_keep=keep)
+        self.position += len(tokens)
+        return out.logits[0, -keep:]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cache entries; the next position moves back with them."""
+        drop = self.cache.length - length
+        if drop > 0:
+            self.cache.truncate(length)
+            self.position -= drop
+
+
+@dataclass
+class Round:
+    """What one speculative round produced (round 0 is the first token, from the prefills)."""
+
+    tokens: list[int]  # new tokens, in order
+    drafted: int
+    accepted: int
+    eos: bool = False  # generation ended with an end-of-sequence token (not in `tokens`)
+
+
+def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: int = 10,
+              eta: float = 0.0, residual: str = "rapid", eos_ids: Iterable[int] = (),
+              max_new_tokens: int | None = None, generator: torch.Generator | None = None,
+              accept: AcceptRule = accept_drafts, verify_split: bool = True) -> Iterator[Round]:
+    """Yield rounds until max_new_tokens or an end-of-sequence token.
+
+    Between rounds both caches hold exactly the accepted sequence minus the pending tokens.
+    gamma, eta, residual: see `settings.SpeculationConfig` (validated there).
+    """
+    SpeculationConfig(gamma, eta, residual)
+    eos = set(eos_ids)
+    limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if generator is None:
+        generator = torch.Generator()
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+        else:
+            generator.seed()
+    if limit <= 0:
+        return
+    token = first_token(target.logits, drafter.logits, config, eta, generator)
+    if token in eos:
+        yield Round([], 0, 0, eos=True)
+        return
+    target.pending = [token]
+    drafter.pending = [token]
+    yield Round([token], 0, 0)
+    produced = 1
+    while produced < limit:
+        g = min(gamma, limit - produced - 1)
+        drafts: list[int] = []
+        draft_logits = []
+        if g > 0:
+            logits = drafter.feed(drafter.pending, verify=True)[-1]
+            drafter.pending = []
+            for j in range(g):
+                draft_logits.append(logits)
+                d = sample(logits, config, generator)
+                drafts.append(d)
+                if d in eos or j == g - 1:
+                    break  # nothing after an end-of-sequence draft can be accepted
+                logits = drafter.feed([d])[-1]
+        fed = target.pending + drafts
+        t_logits = target.feed(fed, keep=len(drafts) + 1, verify=verify_split)
+        verdict = accept(drafts, t_logits,
+                         torch.stack(draft_logits) if draft_logits else t_logits[:0],
+                         config, eta=eta, residual=residual, generator=generator)
+        n = verdict.accepted
+        # Target: keep pending + accepted drafts; the new token stays pending.
+        target.truncate(target.cache.length - (len(drafts) - n))
+        target.pending = [verdict.token]
+        # Drafter: it was fed its pending tokens and drafts[:-1].
+        if drafts:
+            fed_drafts = len(drafts) - 1
+            kept = min(n, fed_drafts)
+            drafter.truncate(drafter.cache.length - (fed_drafts - kept))
+            drafter.pending = drafts[kept:n] + [verdict.token]
+        else:
+            drafter.pending = drafter.pending + [verdict.token]
+        new = drafts[:n] + [verdict.token]
+        out = []
+        ended = False
+        for t in new:
+            if t in eos:
+                ended = True
+                break
+            out.append(t)
+        out = out[:limit - produced]
+        produced += len(out)
+        yield Round(out, len(drafts), n, eos=ended)
+        if ended:
+            return

@@ -1,0 +1,100 @@
+"""Generation settings and their validation, in one place.
+
+Every choice a caller can make about how tokens are produced is named and checked here, once,
+where the setting is made (a `GenerationConfig`, a `SpeculationConfig`, an engine's positions
+mode); the code below that trusts the values it is given. Nothing here imports the rest of the
+package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+MODES = ("turbo", "naive")  # reuse chunk blobs, or prefill everything (the baseline)
+POSITION_MODES = ("reordered", "composite")
+QUANTIZE_MODES = (None, "int8", "bf16")
+DRAFT_MODES = (None, "int8", "bf16")
+RESIDUALS = ("rapid", "standard")
+
+
+def check_choice(name: str, value, allowed: Sequence):
+    """`value` if it is one of `allowed`, else a ValueError that names the setting and the
+    choices."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, not {value!r}")
+    return value
+
+
+@dataclass
+class GenerationConfig:
+    """How to pick tokens. temperature 0 means greedy (the default).
+
+    quantize="int8" decodes with int8 dynamic-quantised copies of the Linear layers (CPU, float32
+    llama-family models; prefill stays full precision): about 1.8x faster steps, but greedy
+    answers drift from full precision on small models (see core/decode/fast.py); "bf16" keeps
+    answers close and, on CPUs with native bf16 (AVX512-BF16), steps about 1.5x faster. None
+    (default) keeps the model's weights.
+
+    draft="int8" (or "bf16") keeps the answers of full precision and still decodes faster: a
+    quantised copy drafts `draft_tokens` tokens, the model verifies them in one forward and keeps
+    what it agrees with (self-speculative decoding, core/decode/selfspec.py). Greedy output
+    equals the full-precision output up to the rounding of a multi-token forward; sampling
+    follows the model's own distribution. Same model requirements as quantize; falls back to
+    plain decoding (with a warning) where the quantised copy cannot be built.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    quantize: str | None = None
+    draft: str | None = None
+    draft_tokens: int = 4
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be ≥ 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be ≥ 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be ≥ 0 (0 = no limit)")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(s for s in self.stop if s)
+        check_choice("quantize", self.quantize, QUANTIZE_MODES)
+        check_choice("draft", self.draft, DRAFT_MODES)
+        if self.draft and self.quantize:
+            raise ValueError("choose draft (quantised drafts, full-precision answers) or quantize "
+                             "(quantised answers), not both")
+        if self.draft_tokens < 1:
+            raise ValueError("draft_tokens must be ≥ 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """RAPID's verification settings (core/rapid).
+
+    gamma: drafts per round (≥ 1); eta: weight of the drafter's distribution in the target's
+    (≥ 0; 0 is lossless); residual: where a rejected position draws from — "rapid" (the paper's
+    norm(max(p − p̂, p − q, 0))) or "standard" (norm(max(p̂ − q, 0)), output follows p̂).
+    """
+
+    gamma: int = 10
+    eta: float = 0.0
+    residual: str = "rapid"
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be an integer ≥ 1, not {self.gamma!r}")
+        if not self.eta >= 0:  # also refuses NaN
+            raise ValueError(f"eta must be ≥ 0, not {self.eta!r}")
+        check_choice("residual", self.residual, RESIDUALS)
