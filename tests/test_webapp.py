@@ -60,30 +60,55 @@ def server(tmp_path_factory):
     proc.wait(10)
 
 
-def test_page_streams_answer_sources_and_both_ttfts(server):
+@pytest.fixture(scope="module")
+def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    try:
-        driver.get(server)
-        driver.find_element(By.ID, "question").send_keys("How high is the Tall Widow lighthouse?")
-        driver.find_element(By.ID, "send").click()
-        WebDriverWait(driver, 180).until(
-            lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "done")
-        answer = driver.find_element(By.ID, "answer").text
-        assert answer.strip() and "error" not in driver.find_element(By.ID, "answer").get_attribute("class")
-        sources = driver.find_elements(By.CSS_SELECTOR, "#sources li")
-        assert sources and any("harbor_town_of_velmora.md" in s.text for s in sources)
-        for figure in ("ttft-turbo", "ttft-full"):
-            assert driver.find_element(By.ID, figure).text.endswith(" ms")
-        reused, total = driver.find_element(By.ID, "reused").text.split(" / ")
-        assert 0 < int(reused) <= int(total)
-    finally:
-        driver.quit()
+    yield driver
+    driver.quit()
+
+
+def ask(driver, url: str, question: str) -> str:
+    """Submit a question on a fresh page; the state it ends in ("done" or "failed")."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url)
+    box = driver.find_element(By.ID, "question")
+    # set, not typed: a long question would take thousands of key events
+    driver.execute_script("arguments[0].value = arguments[1]", box, question)
+    driver.find_element(By.ID, "send").click()
+    WebDriverWait(driver, 180).until(lambda d: d.find_element(By.TAG_NAME, "body")
+                                     .get_attribute("data-state") in ("done", "failed"))
+    return driver.find_element(By.TAG_NAME, "body").get_attribute("data-state")
+
+
+def test_page_streams_answer_sources_and_both_ttfts(server, browser):
+    from selenium.webdriver.common.by import By
+
+    state = ask(browser, server, "How high is the Tall Widow lighthouse?")
+    error = browser.find_element(By.ID, "error")
+    assert state == "done", error.text
+    assert not error.is_displayed()
+    assert browser.find_element(By.ID, "answer").text.strip()
+    sources = browser.find_elements(By.CSS_SELECTOR, "#sources li")
+    assert sources and any("harbor_town_of_velmora.md" in s.text for s in sources)
+    for figure in ("ttft-turbo", "ttft-full"):
+        assert browser.find_element(By.ID, figure).text.endswith(" ms")
+    reused, total = browser.find_element(By.ID, "reused").text.split(" / ")
+    assert 0 < int(reused) <= int(total)
+
+
+def test_page_shows_the_servers_refusal(server, browser):
+    from selenium.webdriver.common.by import By
+
+    assert ask(browser, server, "why " * 600) == "failed"  # 2400 characters: over the limit
+    error = browser.find_element(By.ID, "error")
+    assert error.is_displayed() and "longer than 2000 characters" in error.text
+    assert browser.find_element(By.ID, "send").is_enabled()
