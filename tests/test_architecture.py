@@ -36,6 +36,7 @@ GROUPS = {
     "workspace": [f"{PACKAGE}.workspace"],
     "evaluation": [f"{PACKAGE}.evaluation"],
     "training": [f"{PACKAGE}.training"],
+    "server": [f"{PACKAGE}.server"],
     "app": [f"{PACKAGE}.cli", PACKAGE],
 }
 _CORE_BELOW_ENGINE = ["foundation", "attention", "prefill", "decode", "retrieval", "model", "store"]
@@ -56,6 +57,7 @@ ALLOWED = {
     "evaluation": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
     "training": ["core", "engine", "rapid", "evaluation", "llama_index", "langchain"]
                 + _CORE_BELOW_ENGINE,
+    "server": ["core", "engine", "rapid"] + _CORE_BELOW_ENGINE,
     "app": list(GROUPS),
 }
 

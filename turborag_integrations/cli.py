@@ -16,6 +16,11 @@ app.add_typer(models_app, name="models")
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
 
+ChromaUrlOpt = typer.Option(
+    None, "--chroma-url", envvar="TURBORAG_CHROMA_URL",
+    help="Chroma server for the chunks, e.g. http://127.0.0.1:8000 (start one with `chroma run "
+    "--path ./chroma --port 8000`); default: an embedded Chroma in the workspace folder")
+
 
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -53,6 +58,7 @@ def demo(
     max_new_tokens: int = typer.Option(64),
     adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
                                 "for the bundled model) | none | a file"),
+    chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
     from .core.errors import TurboRAGError
@@ -63,7 +69,7 @@ def demo(
     # chunk blobs stay in the KV store, so a rerun reuses them.
     try:
         with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
-                                 adapter=adapter) as ws:
+                                 adapter=adapter, chroma_url=chroma_url) as ws:
             _ingest(ws, [docs])
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
             answer = ws.ask(question, k=top_k,
@@ -118,13 +124,15 @@ def ingest(
     adapter: Optional[str] = typer.Option(None, help="LoRA adapter: default (shipped for the "
                                           "bundled model) | none | a file (first ingestion)"),
     json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
+    chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Chunk, embed and encode KV blobs for documents. Reruns skip what is already in."""
     import json
 
     from .core.errors import TurboRAGError
 
-    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter)
+    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter,
+                    chroma_url=chroma_url)
     try:
         counts = _ingest(ws, paths, quiet=json_out)
     except TurboRAGError as exc:
@@ -184,6 +192,7 @@ def ask(
     draft: Optional[str] = typer.Option(None, help="int8 | bf16: quantised drafts verified in "
                                         "full precision (same answers; faster on some CPUs)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+    chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Answer a question over the ingested documents, streaming the answer."""
     import json
@@ -193,7 +202,7 @@ def ask(
 
     if mode not in ("turbo", "naive", "rapid"):
         _fail(f"--mode must be turbo, naive or rapid, not {mode!r}")
-    ws = _workspace(store, model)
+    ws = _workspace(store, model, chroma_url=chroma_url)
     try:
         if compare:
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
@@ -218,12 +227,13 @@ def chat(
     model: Optional[str] = typer.Option(None),
     top_k: int = typer.Option(4),
     max_new_tokens: int = typer.Option(128),
+    chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Ask questions in a loop (empty line or Ctrl-D to quit); earlier turns are kept."""
     from .core.errors import TurboRAGError
     from .core.settings import GenerationConfig
 
-    ws = _workspace(store, model)
+    ws = _workspace(store, model, chroma_url=chroma_url)
     history: list[dict] = []
     while True:
         try:
@@ -244,21 +254,46 @@ def chat(
                     {"role": "assistant", "content": answer.text}]
 
 
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
+    store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
+                             "interface; the server has no authentication)"),
+    port: int = typer.Option(8000),
+    adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
+                                "for the bundled model) | none | a file"),
+):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
+    whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks."""
+    from .core.errors import TurboRAGError
+
+    try:
+        from .server.app import serve as run_server
+    except ImportError as exc:
+        _fail(f"{exc}: the server needs pip install 'turborag-integrations[server]'")
+    try:
+        run_server(model=model, store=store, host=host, port=port, adapter=adapter)
+    except TurboRAGError as exc:
+        _fail(str(exc))
+
+
 @store_app.command("stats")
 def store_stats(store: Optional[Path] = StoreOpt,
-                json_out: bool = typer.Option(False, "--json")):
+                json_out: bool = typer.Option(False, "--json"),
+                chroma_url: Optional[str] = ChromaUrlOpt):
     """Blobs, bytes on disk (prompt-head and RAPID prefix blobs apart), budgets and documents of
     a workspace's KV store."""
     import json
 
     from .core.store import KVStore
 
-    ws = _workspace(store)
+    ws = _workspace(store, chroma_url=chroma_url)
     kv = KVStore(ws.kv_dir, memory_bytes=0)
     usage = kv.disk_usage()
     docs = ws.collection.count()
     report = {"workspace": str(ws.root), "model": ws.model_name, **usage,
-              "chunks_indexed": docs}
+              "chunks_indexed": docs, "chroma": ws.chroma_url or "embedded"}
     if json_out:
         typer.echo(json.dumps(report))
     else:

@@ -8,12 +8,15 @@ The command line and the example web app are thin shells around this class:
 
     with Workspace.temporary() as ws:        # for one run (`turborag demo`): only the blobs stay
         ...
+
+    ws = Workspace(chroma_url="http://127.0.0.1:8000")   # chunks on a `chroma run` server
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from contextlib import contextmanager
@@ -22,6 +25,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+from .core.retrieval.chroma import chroma_client
 from .core.retrieval.chunking import split_text
 from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
 from .core.engine import GenerationStream, TurboRAGEngine
@@ -34,6 +38,8 @@ TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
 HTML_SUFFIXES = {".html", ".htm"}
 SYSTEM_PROMPT = "Answer the question using only the context. Be brief."
 COLLECTION = "turborag_chunks"
+
+log = logging.getLogger(__name__)
 
 
 class WorkspaceError(TurboRAGError):
@@ -131,15 +137,27 @@ class Answer:
 
 
 class Workspace:
-    """Documents → Chroma (embedded) + KV store, under one folder, for one model."""
+    """Documents → Chroma + KV store, under one folder, for one model.
+
+    Chroma is embedded in the folder, or is the server at `chroma_url`: see `collection_name`.
+    """
 
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
-                 embedding: str | None = None, adapter: str | None = None):
+                 embedding: str | None = None, adapter: str | None = None,
+                 chroma_url: str | None = None):
         """adapter: "default" (the adapter shipped for a bundled model), "none", or a file;
-        None keeps what the workspace was built with (default for a new one)."""
+        None keeps what the workspace was built with (default for a new one).
+
+        chroma_url: a Chroma server (e.g. http://127.0.0.1:8000, started with `chroma run
+        --path DIR --port 8000`) to keep the chunks in, so that several processes can share
+        them; None keeps them in an embedded Chroma in the folder. The server is contacted
+        here: a bad URL or no server raises a TurboRAGError that says what to do."""
         self.root = Path(root).expanduser() if root else default_workspace()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.chroma_url = chroma_url or None
+        # Connect now, not on first use: a missing server then fails before a model loads.
+        self._chroma = chroma_client(url=self.chroma_url) if self.chroma_url else None
         manifest = self._read_manifest()
         if manifest and model and manifest["model"] != model:
             raise WorkspaceError(
@@ -169,7 +187,10 @@ class Workspace:
                                          ignore_cleanup_errors=True) as folder:
             workspace = cls(folder, **options)
             workspace.kv_dir = Path(kv_dir).expanduser() if kv_dir else default_store_path()
-            yield workspace
+            try:
+                yield workspace
+            finally:
+                workspace._drop_server_collection()
 
     # ---- lazily built parts -----------------------------------------------------------------
     @property
@@ -186,14 +207,37 @@ class Workspace:
         return self._embedder
 
     @property
+    def collection_name(self) -> str:
+        """The Chroma collection of this workspace's chunks.
+
+        An embedded Chroma belongs to the folder, so the plain name is enough. A server may be
+        shared by many workspaces: there the name ends with a digest of the folder's absolute
+        path, so that each folder (whose manifest and KV blobs the chunks go with) keeps its
+        own collection, and every process opening the same folder finds the same one."""
+        if not self.chroma_url:
+            return COLLECTION
+        digest = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
+        return f"{COLLECTION}_{digest}"
+
+    @property
     def collection(self):
         if self._collection is None:
-            import chromadb
-
-            client = chromadb.PersistentClient(path=str(self.root / "chroma"))
-            self._collection = client.get_or_create_collection(
-                COLLECTION, metadata={"hnsw:space": "cosine"})
+            if self._chroma is None:
+                self._chroma = chroma_client(path=self.root / "chroma")
+            self._collection = self._chroma.get_or_create_collection(
+                self.collection_name, metadata={"hnsw:space": "cosine"})
         return self._collection
+
+    def _drop_server_collection(self) -> None:
+        """Delete the collection a temporary workspace made on a server (an embedded one goes
+        with its folder)."""
+        if self.chroma_url is None or self._collection is None:
+            return
+        try:
+            self._chroma.delete_collection(self.collection_name)
+        except Exception as exc:  # the run's outcome matters more than this cleanup
+            log.warning("could not delete the temporary collection %s on the Chroma server at "
+                        "%s: %s", self.collection_name, self.chroma_url, exc)
 
     def _read_manifest(self) -> dict | None:
         path = self.root / "manifest.json"
@@ -202,7 +246,7 @@ class Workspace:
     def _write_manifest(self) -> None:
         data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
                 "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name,
-                "adapter": self.adapter}
+                "adapter": self.adapter, "chroma_url": self.chroma_url}
         tmp = self.root / "manifest.json.tmp"
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.root / "manifest.json")
@@ -252,13 +296,28 @@ class Workspace:
     # ---- questions --------------------------------------------------------------------------
     def retrieve(self, question: str, k: int = 4) -> list[Source]:
         if self.collection.count() == 0:
-            raise WorkspaceError(f"the workspace {self.root} has no documents yet: run "
+            raise WorkspaceError(self._ingested_elsewhere() or
+                                 f"the workspace {self.root} has no documents yet: run "
                                  "`turborag ingest DIR` first")
         vector = self.embedder.encode([question], normalize_embeddings=True).tolist()
         found = self.collection.query(query_embeddings=vector, n_results=min(k, self.collection.count()))
         return [Source(path=m["source"], text=doc, score=1.0 - dist)
                 for doc, m, dist in zip(found["documents"][0], found["metadatas"][0],
                                         found["distances"][0])]
+
+    def _ingested_elsewhere(self) -> str | None:
+        """For an empty collection: a message if the last ingestion used another Chroma."""
+        manifest = self._read_manifest()
+        if manifest is None or manifest.get("chroma_url") == self.chroma_url:
+            return None
+        used = manifest.get("chroma_url")  # absent in manifests older than servers: embedded
+        here = (f"on the Chroma server at {self.chroma_url}" if self.chroma_url
+                else "in its embedded Chroma")
+        if used is None:
+            return (f"the workspace {self.root} has no documents {here}: they were ingested "
+                    "into its embedded Chroma; leave out --chroma-url, or ingest again with it")
+        return (f"the workspace {self.root} has no documents {here}: they were ingested into "
+                f"the Chroma server at {used}; pass --chroma-url {used}, or ingest again")
 
     def prompt(self, question: str, sources: Sequence[Source],
                history: Sequence[dict] = ()) -> str:

@@ -131,6 +131,11 @@ class ChunkRegistry:
         with self._lock:
             self._texts.clear()
 
+    def texts(self) -> list[str]:
+        """Every registered text, most recent last (a snapshot)."""
+        with self._lock:
+            return list(self._texts)
+
     def __len__(self) -> int:
         return len(self._texts)
 

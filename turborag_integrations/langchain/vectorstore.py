@@ -6,6 +6,7 @@ the way out is bookkeeping: every document it returns is registered as a text th
 should look for, and checked for having been ingested with the engine's model.
 
     store = KVCachingVectorStore(engine=engine, persist_directory="./db")   # embedded Chroma
+    store = KVCachingVectorStore(engine=engine, chroma_url="http://127.0.0.1:8000")  # a server
     store.add_documents(docs)
     chain = store.as_retriever() | format_docs | prompt | TurboRAGChatModel(engine=engine)
 
@@ -35,16 +36,30 @@ _PRECHECK_LIMIT = 4096  # documents without our metadata scanned at most, on con
 
 
 def _chroma(embedding: Embeddings | None, persist_directory: str | None,
-            collection_name: str, **kwargs: Any) -> VectorStore:
+            collection_name: str, chroma_url: str | None = None, chroma_client: Any = None,
+            **kwargs: Any) -> VectorStore:
+    """The default store: a Chroma collection over the server at `chroma_url`, over the
+    chromadb client `chroma_client`, embedded in `persist_directory`, or (none of them) in
+    memory."""
     from langchain_chroma import Chroma
 
+    if chroma_url and chroma_client is not None:
+        raise ValueError("give chroma_url or chroma_client, not both")
+    if persist_directory and (chroma_url or chroma_client is not None):
+        # Chroma would silently prefer the client: say it instead.
+        raise ValueError("persist_directory is for the embedded Chroma; a Chroma server keeps "
+                         "its own files (`chroma run --path DIR`): drop one of them")
+    if chroma_url:
+        from ..core.retrieval.chroma import chroma_client as connect
+
+        chroma_client = connect(url=chroma_url)  # fails here, with what to do, if none answers
     if embedding is None:
         from .embeddings import SentenceTransformerEmbeddings
 
         embedding = SentenceTransformerEmbeddings()
     return Chroma(collection_name=collection_name, embedding_function=embedding,
                   persist_directory=str(persist_directory) if persist_directory else None,
-                  **kwargs)
+                  client=chroma_client, **kwargs)
 
 
 class KVCachingVectorStore(VectorStore):
@@ -55,6 +70,11 @@ class KVCachingVectorStore(VectorStore):
         engine: the TurboRAGEngine whose model encodes the blobs (share it with the chat model);
             None uses the shared engine of `model`.
         embedding, persist_directory, collection_name: for the default Chroma store only.
+        chroma_url: keep the default Chroma collection on the Chroma server at this URL (e.g.
+            "http://127.0.0.1:8000", started with `chroma run --path DIR --port 8000`) instead
+            of embedded; a bad URL or no server there raises ChromaURLError or
+            ChromaUnreachable, saying what to do.
+        chroma_client: or a chromadb client (`chromadb.HttpClient(...)`, ...) to keep it with.
         registry: where ingested and retrieved texts are recorded for the chat model (None:
             the engine's own, `ChunkRegistry.for_engine(engine)`).
         check_fingerprint: refuse a store whose documents were encoded by another model.
@@ -66,12 +86,13 @@ class KVCachingVectorStore(VectorStore):
     def __init__(self, vectorstore: VectorStore | None = None, *,
                  engine: TurboRAGEngine | None = None, model: str | None = None,
                  embedding: Embeddings | None = None, persist_directory: str | None = None,
-                 collection_name: str = "turborag", registry: ChunkRegistry | None = None,
+                 collection_name: str = "turborag", chroma_url: str | None = None,
+                 chroma_client: Any = None, registry: ChunkRegistry | None = None,
                  check_fingerprint: bool = True, turborag_metadata: bool = False,
                  progress: Callable[[int, int], None] | None = None):
         self.engine = engine if engine is not None else shared_engine(model)
         self.vectorstore = vectorstore if vectorstore is not None else _chroma(
-            embedding, persist_directory, collection_name)
+            embedding, persist_directory, collection_name, chroma_url, chroma_client)
         self.registry = registry if registry is not None else ChunkRegistry.for_engine(
             self.engine)
         self.check_fingerprint = check_fingerprint
@@ -190,14 +211,15 @@ class KVCachingVectorStore(VectorStore):
                    metadatas: list[dict] | None = None, *, ids: list[str] | None = None,
                    vectorstore: VectorStore | None = None, engine: TurboRAGEngine | None = None,
                    model: str | None = None, persist_directory: str | None = None,
-                   collection_name: str = "turborag", registry: ChunkRegistry | None = None,
+                   collection_name: str = "turborag", chroma_url: str | None = None,
+                   chroma_client: Any = None, registry: ChunkRegistry | None = None,
                    check_fingerprint: bool = True, turborag_metadata: bool = False,
                    **kwargs: Any) -> "KVCachingVectorStore":
         """Build the (default Chroma) store over `embedding`, then add and encode `texts`."""
         store = cls(vectorstore, engine=engine, model=model, embedding=embedding,
                     persist_directory=persist_directory, collection_name=collection_name,
-                    registry=registry, check_fingerprint=check_fingerprint,
-                    turborag_metadata=turborag_metadata)
+                    chroma_url=chroma_url, chroma_client=chroma_client, registry=registry,
+                    check_fingerprint=check_fingerprint, turborag_metadata=turborag_metadata)
         store.add_texts(texts, metadatas, ids=ids, **kwargs)
         return store
 

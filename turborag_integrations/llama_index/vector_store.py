@@ -1,6 +1,7 @@
 """A vector store wrapper that precomputes each node's KV blob as the node is ingested.
 
     store = KVCachingVectorStore(engine)                    # embedded Chroma under the cache dir
+    store = KVCachingVectorStore(engine, url="http://127.0.0.1:8000")   # a `chroma run` server
     index = VectorStoreIndex.from_documents(
         docs, storage_context=StorageContext.from_defaults(vector_store=store))
 
@@ -30,28 +31,35 @@ log = logging.getLogger(__name__)
 DEFAULT_COLLECTION = "turborag"
 
 
-def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAULT_COLLECTION):
-    """A ChromaVectorStore over an embedded, persistent Chroma (no server).
+def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAULT_COLLECTION,
+                        *, url: str | None = None):
+    """A ChromaVectorStore over an embedded, persistent Chroma, or over a Chroma server.
 
-    `path` defaults to `<turborag cache>/chroma` (see `TURBORAG_CACHE`).
+    `url` (e.g. "http://127.0.0.1:8000", a server started with `chroma run --path DIR --port
+    8000`) connects to that server: a bad URL raises ChromaURLError, no server there
+    ChromaUnreachable, both saying what to do. Otherwise the embedded Chroma lives in `path`,
+    default `<turborag cache>/chroma` (see `TURBORAG_CACHE`).
     """
     try:
-        import chromadb
         from llama_index.vector_stores.chroma import ChromaVectorStore
-    except ImportError as exc:  # pragma: no cover - both are dependencies
-        raise ImportError("the default vector store needs chromadb and "
-                          "llama-index-vector-stores-chroma: pip install "
-                          "llama-index-vector-stores-chroma") from exc
-    if path is None:
+    except ImportError as exc:  # pragma: no cover - a dependency
+        raise ImportError("the default vector store needs llama-index-vector-stores-chroma: "
+                          "pip install llama-index-vector-stores-chroma") from exc
+    from ..core.retrieval.chroma import chroma_client
+
+    if path is None and not url:
         from ..core.models import cache_dir
 
         path = cache_dir() / "chroma"
-    client = chromadb.PersistentClient(path=str(Path(path).expanduser()))
+    client = chroma_client(path, url)
     return ChromaVectorStore(chroma_collection=client.get_or_create_collection(collection))
 
 
 class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     """Wraps any vector store; `add` also stores each node's KV blob, `delete` removes them.
+
+    Without `vector_store`, it wraps the Chroma collection `collection`: on the server at `url`
+    if given, else embedded in `path` (see `chroma_vector_store`).
 
     Each node gets metadata `turborag_kv_key` (its blob's key), excluded from LLM and embedding
     text so it never reaches a prompt or an embedding. The texts are registered, with the
@@ -70,12 +78,14 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     _registry: ChunkRegistry = PrivateAttr()
 
     def __init__(self, engine=None, vector_store: BasePydanticVectorStore | None = None, *,
-                 path: str | Path | None = None, collection: str = DEFAULT_COLLECTION,
-                 registry: ChunkRegistry | None = None, **kwargs: Any):
+                 path: str | Path | None = None, url: str | None = None,
+                 collection: str = DEFAULT_COLLECTION, registry: ChunkRegistry | None = None,
+                 **kwargs: Any):
         if vector_store is not None and not isinstance(vector_store, BasePydanticVectorStore):
             raise TypeError("vector_store must be a llama_index BasePydanticVectorStore, got "
                             f"{type(vector_store).__name__}")
-        inner = vector_store if vector_store is not None else chroma_vector_store(path, collection)
+        inner = (vector_store if vector_store is not None
+                 else chroma_vector_store(path, collection, url=url))
         super().__init__(stores_text=inner.stores_text,
                          is_embedding_query=inner.is_embedding_query, **kwargs)
         self._inner = inner

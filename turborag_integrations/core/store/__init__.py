@@ -6,8 +6,9 @@
         blob = store.get(key, fingerprint)              # None on a miss; never another model's blob
 
 The store is an ordered list of tiers, fastest first: the accelerator tier (when CUDA is present
-and a budget is given), the memory tier, the disk tier, then any tiers passed as `tiers=` (remote
-caches shared by several machines). Every tier keeps the contract of `.tier.Tier`.
+and a budget is given), the memory tier, the disk tier, then a Redis tier shared by several
+workers when a URL is given (`remote_url=` or $TURBORAG_REDIS_URL; `.redis_tier`), then any tiers
+passed as `tiers=`. Every tier keeps the contract of `.tier.Tier`.
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ class KVStore:
     memory_bytes bounds the RAM tier (0 disables it); accelerator_bytes, when CUDA is available,
     adds a tier in GPU memory in front of it. storage_dtype is how blobs are written: "native"
     (the model's dtype, exact), "bfloat16"/"float16", or "int8" (KIVI-style, about a quarter of
-    float32); any of them decodes to the model's dtype on load. `tiers` are further tiers (see
-    `.tier.Tier`), looked up after the disk tier in the order given.
+    float32); any of them decodes to the model's dtype on load. `remote_url` (None:
+    $TURBORAG_REDIS_URL; "" for none) adds a Redis tier after the disk tier, with the defaults of
+    `.redis_tier.RedisTier` (build one yourself and pass it in `tiers` to change them); it needs
+    the `redis` extra. `tiers` are further tiers (see `.tier.Tier`), looked up after those in the
+    order given.
 
     Close the store (or use it as a context manager) to stop its prefetch threads and release
     its tiers; closing twice is harmless. After close, get, put, contains, delete, delete_doc,
@@ -101,13 +105,19 @@ class KVStore:
     def __init__(self, root: str | os.PathLike | None = None, *, memory_bytes: int = 2 << 30,
                  storage_dtype: str = "native", accelerator_bytes: int = 0,
                  prefetch_threads: int = 4, tiers: Iterable[Tier] = (),
-                 disk_bytes: int | str | None = None, prefix_bytes: int | str | None = None):
+                 disk_bytes: int | str | None = None, prefix_bytes: int | str | None = None,
+                 remote_url: str | None = None):
         self.disk = DiskTier(root or default_store_path(), storage_dtype, max_bytes=disk_bytes,
                              prefix_bytes=prefix_bytes)
         self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
         self.accelerator = (MemoryTier(accelerator_bytes, device="cuda")
                             if accelerator_bytes > 0 and torch.cuda.is_available() else None)
         extra = list(tiers)
+        url = os.environ.get("TURBORAG_REDIS_URL") if remote_url is None else remote_url
+        if url:
+            from .redis_tier import RedisTier  # imported on demand: redis-py is an extra
+
+            extra.insert(0, RedisTier(url, storage_dtype=storage_dtype))
         for tier in extra:
             if not isinstance(tier, Tier):
                 raise TypeError(f"{tier!r} does not keep the tier contract of "
@@ -154,11 +164,15 @@ class KVStore:
         `kind` is "chunk" (a document's chunk, the default) or "prefix" (a prompt head or a
         RAPID document prefix: written per query, so the disk tier bounds them apart, see
         `prefix_bytes`). A blob larger than its bound is not written (a warning says which
-        setting to raise); the key is returned all the same."""
+        setting to raise); the key is returned all the same. Prefix blobs stay on the local disk
+        tier: they are made per query (or are a whole document's KV, hundreds of MB), so
+        shipping them to a shared remote tier would cost more than it saves."""
         if kind not in KINDS:
             raise ValueError(f"a blob's kind is one of {KINDS}, not {kind!r}")
         key = blob.key
         for tier in self._open_tiers():
+            if kind == "prefix" and tier is not self.disk:
+                continue
             if tier.write_through and not tier.contains(key):
                 held = self.disk.put(key, blob, kind) if tier is self.disk else tier.put(key, blob)
                 if held:

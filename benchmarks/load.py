@@ -1,0 +1,205 @@
+"""Load test of `turborag serve`: RAG chat completions from concurrent clients, on loopback.
+
+    python benchmarks/load.py                                  # starts one worker itself
+    python benchmarks/load.py --url http://127.0.0.1:8001 --url http://127.0.0.1:8002
+
+Each client sends streaming chat completions whose user turn holds `--chunks` stored chunks and a
+question, round robin over the workers, until `--requests` requests are done or `--duration`
+seconds have passed (whichever comes first: the test is bounded either way). The chunks are
+ingested first through `/v1/turborag/chunks` on every worker (a worker that shares a KV tier
+finds them already encoded). Prints requests/s, aggregate decode tokens/s, and p50/p95 of the
+time to the first content token and of the whole request; `--json` prints one JSON object.
+Loopback only: a URL that is not 127.0.0.1/localhost/[::1] is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+TOPICS = ["lighthouse", "ferry", "kiln", "furnace", "glacier", "harbour", "orchard", "library"]
+
+
+def chunk_texts(n: int) -> list[str]:
+    """n distinct paragraphs of about 250 tokens each."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        sentences = [f"Record {i}.{j}: the {topic} of district {i} logged {17 * i + j} visitors "
+                     f"on day {j}, and its keeper noted the weather as {'calm' if j % 2 else 'windy'}."
+                     for j in range(12)]
+        out.append(" ".join(sentences))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(model: str | None, store: str | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port)]
+    if model:
+        cmd += ["--model", model]
+    if store:
+        cmd += ["--store", store]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the worker exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise SystemExit("the worker did not answer /health within 600 s")
+
+
+def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], question: str,
+                max_tokens: int) -> dict:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": "Answer from the context."},
+                         {"role": "user", "content": "\n\n".join(chunks) + "\n\n" + question}]}
+    t0 = time.perf_counter()
+    first, tokens, stats = None, 0, {}
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}: {response.read()[:300]!r}"}
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+                first = first or time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens", tokens)
+            stats = event.get("turborag") or stats
+    end = time.perf_counter()
+    return {"ttft_s": (first or end) - t0, "latency_s": end - t0, "tokens": tokens,
+            "decode_s": end - (first or end), "reused": stats.get("reused_tokens", 0)}
+
+
+def run(urls: list[str], model: str, clients: int, requests: int, duration: float,
+        n_chunks: int, max_tokens: int) -> dict:
+    texts = chunk_texts(max(n_chunks * 2, 8))
+    for url in urls:
+        r = httpx.post(f"{url}/v1/turborag/chunks", json={"texts": texts}, timeout=600)
+        r.raise_for_status()
+    results: list[dict] = []
+    lock = threading.Lock()
+    issued = [0]
+    stop_at = time.monotonic() + duration
+
+    def client_loop(c: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            while time.monotonic() < stop_at:
+                with lock:
+                    if issued[0] >= requests:
+                        return
+                    i = issued[0]
+                    issued[0] += 1
+                start = (i * n_chunks) % len(texts)
+                chunks = [texts[(start + j) % len(texts)] for j in range(n_chunks)]
+                question = f"How many visitors did the {TOPICS[i % len(TOPICS)]} log on day 3?"
+                try:
+                    res = one_request(client, urls[i % len(urls)], model, chunks, question,
+                                      max_tokens)
+                except httpx.HTTPError as exc:
+                    res = {"error": repr(exc)}
+                with lock:
+                    results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    return {"workers": len(urls), "clients": clients, "requests": len(results),
+            "errors": len(results) - len(ok), "error_samples": [r["error"] for r in results
+                                                                 if "error" in r][:3],
+            "wall_s": wall, "requests_per_s": len(ok) / wall if wall else 0.0,
+            "decode_tokens_per_s": sum(r["tokens"] for r in ok) / wall if wall else 0.0,
+            "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
+            "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 0.95),
+            "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
+            "latency_p95_s": percentile([r["latency_s"] for r in ok], 0.95),
+            "reused_tokens_median": statistics.median([r["reused"] for r in ok]) if ok else 0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", action="append", default=[],
+                    help="a running worker (repeatable); none: start one here")
+    ap.add_argument("--model", default=None, help="model of the worker started here")
+    ap.add_argument("--store", default=None, help="KV store of the worker started here")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8],
+                    help="concurrent clients, one run per value (default 1 8)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
+    ap.add_argument("--duration", type=float, default=600, help="seconds per run at most")
+    ap.add_argument("--chunks", type=int, default=4, help="chunks per prompt (≈250 tokens each)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    for url in args.url:
+        if urlparse(url).hostname not in LOOPBACK:
+            ap.error(f"{url} is not a loopback address: this load test only targets loopback")
+    proc = None
+    urls = args.url
+    if not urls:
+        proc, url = start_worker(args.model, args.store)
+        urls = [url]
+    try:
+        model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+        runs = [run(urls, model, c, args.requests, args.duration, args.chunks, args.max_tokens)
+                for c in args.clients]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    out = {"model": model, "max_tokens": args.max_tokens, "chunks": args.chunks, "runs": runs}
+    if len(runs) > 1 and runs[0]["decode_tokens_per_s"]:
+        out["aggregate_speedup"] = runs[-1]["decode_tokens_per_s"] / runs[0]["decode_tokens_per_s"]
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'clients':>7} {'req':>4} {'err':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} "
+          f"{'TTFT p95':>9} {'lat p50':>8} {'lat p95':>8}")
+    for r in runs:
+        print(f"{r['clients']:>7} {r['requests']:>4} {r['errors']:>4} {r['requests_per_s']:>6.2f} "
+              f"{r['decode_tokens_per_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {r['ttft_p95_s']:>8.2f}s "
+              f"{r['latency_p50_s']:>7.2f}s {r['latency_p95_s']:>7.2f}s")
+    if "aggregate_speedup" in out:
+        print(f"aggregate decode tokens/s, {runs[-1]['clients']} clients vs {runs[0]['clients']}: "
+              f"{out['aggregate_speedup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

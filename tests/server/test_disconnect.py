@@ -1,0 +1,98 @@
+"""Several clients on a live server: one generation at a time, and a client that leaves cancels
+its generation at once and frees the engine for the next request."""
+
+import json
+import logging
+import re
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from turborag_integrations.server.app import create_app
+
+from .conftest import running, wait_until
+
+LONG = 1500  # tokens: seconds of decoding; the answers never end early (conftest.make_engine)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    with running(create_app(engine)) as url:
+        yield url
+
+
+def post_raw(base_url: str, body: dict) -> socket.socket:
+    """POST a chat completion on a raw socket, so that the test decides when this client
+    leaves."""
+    address = urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    sock = socket.create_connection((address.hostname, address.port), timeout=60)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def first_chunk(sock: socket.socket) -> None:
+    """Return once the first streamed chunk has arrived (the engine is generating)."""
+    with sock.makefile("rb") as lines:  # closing the file leaves the socket open
+        if not any(line.startswith(b"data: ") for line in lines):
+            raise AssertionError("the stream ended before its first chunk")
+
+
+def long_answer(engine, question: str) -> dict:
+    return {"model": engine.loaded.name, "stream": True, "max_tokens": LONG,
+            "messages": [{"role": "user", "content": question}]}
+
+
+def generations(caplog) -> list[tuple[str, int]]:
+    """(finish reason, tokens) of each generation the server logged, in order."""
+    found = []
+    for record in caplog.records:
+        m = re.match(r"chatcmpl-\w+: (\w+) after (\d+) tokens", record.getMessage())
+        if record.name == "turborag.server" and m:
+            found.append((m[1], int(m[2])))
+    return found
+
+
+def short_answer(base_url: str, engine) -> httpx.Response:
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        return http.post("/v1/chat/completions", json={
+            "model": engine.loaded.name, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "And now?"}]})
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_generation(base_url, engine, caplog):
+    caplog.set_level(logging.INFO, logger="turborag.server")
+    first = post_raw(base_url, long_answer(engine, "Tell me everything."))
+    first_chunk(first)
+    first.close()
+
+    r = short_answer(base_url, engine)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    wait_until(lambda: len(generations(caplog)) == 2, "both generations")
+    (reason, tokens), second = generations(caplog)
+    assert reason == "cancelled" and tokens < LONG
+    assert second == ("length", 3)
+
+
+def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, engine, caplog):
+    caplog.set_level(logging.INFO, logger="turborag.server")
+    health = lambda: httpx.get(f"{base_url}/health").json()  # noqa: E731
+    first = post_raw(base_url, long_answer(engine, "Tell me everything."))
+    first_chunk(first)
+    queued = post_raw(base_url, long_answer(engine, "And then some more."))
+    wait_until(lambda: health()["queue_depth"] == 1, "the second request to queue")
+    queued.close()
+    time.sleep(0.5)  # the server sees it go (it checks every 0.2 s) before the engine is free
+    first.close()
+
+    assert short_answer(base_url, engine).status_code == 200
+    wait_until(lambda: len(generations(caplog)) == 2, "both generations")
+    assert [reason for reason, _ in generations(caplog)] == ["cancelled", "length"]
+    assert health()["queue_depth"] == 0
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'turborag_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in metrics

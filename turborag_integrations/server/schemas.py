@@ -1,0 +1,160 @@
+"""The request bodies the server accepts: OpenAI's completions and chat completions, and the
+ingestion of chunk texts.
+
+Fields of newer API versions that a client may send are accepted and ignored (`extra="allow"`),
+unless they ask for something this server cannot do; then `refusal()` names the field, so that
+the client gets a 400 instead of a silently different answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
+
+
+class CompletionParams(BaseModel):
+    """What both completion endpoints accept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default is 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    turborag_chunks: list[str] | None = None
+    """Chunk texts to reuse besides those found in the prompt by content; those without a blob
+    yet are encoded (and indexed for later requests) before the prompt is prefilled."""
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(param, message) of the first setting this server cannot honour; None if none."""
+        if self.n not in (None, 1):
+            return "n", "only n=1 is supported (one completion per request)"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported (send 0 or leave it out)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    def text(self) -> str | None:
+        """The message's text; None if it holds anything but text."""
+        if isinstance(self.content, list):
+            if any(part.type != "text" or part.text is None for part in self.content):
+                return None
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(CompletionParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def refusal(self) -> tuple[str, str] | None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, f"{name} (function calling) are not supported"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                return name, f"{name} is not supported (no function calling)"
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only the text response format is supported"
+        for i, message in enumerate(self.messages):
+            if message.role in ("tool", "function") or message.tool_calls:
+                return f"messages[{i}]", "tool and function messages are not supported"
+            if message.text() is None:
+                return f"messages[{i}].content", "only text content is supported"
+        return super().refusal()
+
+    def chat(self) -> list[dict]:
+        """The messages as the chat template takes them (developer turns are system turns)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class CompletionRequest(CompletionParams):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for text completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            return "prompt", "send one prompt per request (a string)"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        return super().refusal()
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChunksRequest(BaseModel):
+    """The body of POST /v1/turborag/chunks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    texts: list[str] = Field(min_length=1)
+    doc_id: str | None = None
+    """A document the texts belong to: the store keeps their blobs while a document claims
+    them (see `TurboRAGEngine.forget_document`)."""
