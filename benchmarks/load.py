@@ -9,7 +9,9 @@ seconds have passed (whichever comes first: the test is bounded either way). The
 ingested first through `/v1/turborag/chunks` on every worker (a worker that shares a KV tier
 finds them already encoded). Prints requests/s, aggregate decode tokens/s, and p50/p95 of the
 time to the first content token and of the whole request; `--json` prints one JSON object.
-Loopback only: a URL that is not 127.0.0.1/localhost/[::1] is refused.
+Loopback only: a URL that is not 127.0.0.1/localhost/[::1] is refused. Greedy decoding; with
+`--check`, each distinct prompt is first answered alone, and every answer under load must equal
+it (the count of those that differ is reported as `mismatches`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], q
             "messages": [{"role": "system", "content": "Answer from the context."},
                          {"role": "user", "content": "\n\n".join(chunks) + "\n\n" + question}]}
     t0 = time.perf_counter()
-    first, tokens, stats = None, 0, {}
+    first, tokens, stats, text = None, 0, {}, ""
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {response.read()[:300]!r}"}
@@ -93,22 +95,29 @@ def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], q
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+            delta = event["choices"][0].get("delta", {}).get("content") if event.get("choices") else None
+            if delta:
                 first = first or time.perf_counter()
+                text += delta
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens", tokens)
             stats = event.get("turborag") or stats
     end = time.perf_counter()
-    return {"ttft_s": (first or end) - t0, "latency_s": end - t0, "tokens": tokens,
+    return {"text": text, "ttft_s": (first or end) - t0, "latency_s": end - t0, "tokens": tokens,
             "decode_s": end - (first or end), "reused": stats.get("reused_tokens", 0)}
 
 
+def request_of(i: int, texts: list[str], n_chunks: int) -> tuple[list[str], str]:
+    """The chunks and question of request i (8 distinct prompts, repeating)."""
+    i %= len(TOPICS)
+    start = (i * n_chunks) % len(texts)
+    chunks = [texts[(start + j) % len(texts)] for j in range(n_chunks)]
+    return chunks, f"How many visitors did the {TOPICS[i]} log on day 3?"
+
+
 def run(urls: list[str], model: str, clients: int, requests: int, duration: float,
-        n_chunks: int, max_tokens: int) -> dict:
+        n_chunks: int, max_tokens: int, reference: dict[int, str] | None = None) -> dict:
     texts = chunk_texts(max(n_chunks * 2, 8))
-    for url in urls:
-        r = httpx.post(f"{url}/v1/turborag/chunks", json={"texts": texts}, timeout=600)
-        r.raise_for_status()
     results: list[dict] = []
     lock = threading.Lock()
     issued = [0]
@@ -122,14 +131,13 @@ def run(urls: list[str], model: str, clients: int, requests: int, duration: floa
                         return
                     i = issued[0]
                     issued[0] += 1
-                start = (i * n_chunks) % len(texts)
-                chunks = [texts[(start + j) % len(texts)] for j in range(n_chunks)]
-                question = f"How many visitors did the {TOPICS[i % len(TOPICS)]} log on day 3?"
+                chunks, question = request_of(i, texts, n_chunks)
                 try:
                     res = one_request(client, urls[i % len(urls)], model, chunks, question,
                                       max_tokens)
                 except httpx.HTTPError as exc:
                     res = {"error": repr(exc)}
+                res["prompt"] = i % len(TOPICS)
                 with lock:
                     results.append(res)
 
@@ -150,7 +158,23 @@ def run(urls: list[str], model: str, clients: int, requests: int, duration: floa
             "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 0.95),
             "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
             "latency_p95_s": percentile([r["latency_s"] for r in ok], 0.95),
-            "reused_tokens_median": statistics.median([r["reused"] for r in ok]) if ok else 0}
+            "reused_tokens_median": statistics.median([r["reused"] for r in ok]) if ok else 0,
+            "mismatches": (sum(r["text"] != reference[r["prompt"]] for r in ok)
+                           if reference is not None else None)}
+
+
+def ingest(urls: list[str], texts: list[str]) -> None:
+    for url in urls:
+        r = httpx.post(f"{url}/v1/turborag/chunks", json={"texts": texts}, timeout=600)
+        r.raise_for_status()
+
+
+def solo_answers(urls: list[str], model: str, n_chunks: int, max_tokens: int) -> dict[int, str]:
+    """Each distinct prompt answered alone, by the first worker."""
+    texts = chunk_texts(max(n_chunks * 2, 8))
+    with httpx.Client(timeout=600) as client:
+        return {i: one_request(client, urls[0], model, *request_of(i, texts, n_chunks),
+                               max_tokens)["text"] for i in range(len(TOPICS))}
 
 
 def main(argv=None) -> int:
@@ -165,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=600, help="seconds per run at most")
     ap.add_argument("--chunks", type=int, default=4, help="chunks per prompt (≈250 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--check", action="store_true",
+                    help="compare every answer with the prompt's answer alone")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     for url in args.url:
@@ -177,8 +203,11 @@ def main(argv=None) -> int:
         urls = [url]
     try:
         model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
-        runs = [run(urls, model, c, args.requests, args.duration, args.chunks, args.max_tokens)
-                for c in args.clients]
+        ingest(urls, chunk_texts(max(args.chunks * 2, 8)))
+        reference = (solo_answers(urls, model, args.chunks, args.max_tokens) if args.check
+                     else None)
+        runs = [run(urls, model, c, args.requests, args.duration, args.chunks, args.max_tokens,
+                    reference) for c in args.clients]
     finally:
         if proc is not None:
             proc.terminate()
@@ -189,10 +218,12 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{'clients':>7} {'req':>4} {'err':>4} {'req/s':>6} {'tok/s':>7} {'TTFT p50':>9} "
-          f"{'TTFT p95':>9} {'lat p50':>8} {'lat p95':>8}")
+    print(f"{'clients':>7} {'req':>4} {'err':>4} {'diff':>4} {'req/s':>6} {'tok/s':>7} "
+          f"{'TTFT p50':>9} {'TTFT p95':>9} {'lat p50':>8} {'lat p95':>8}")
     for r in runs:
-        print(f"{r['clients']:>7} {r['requests']:>4} {r['errors']:>4} {r['requests_per_s']:>6.2f} "
+        diff = "-" if r["mismatches"] is None else r["mismatches"]
+        print(f"{r['clients']:>7} {r['requests']:>4} {r['errors']:>4} {diff:>4} "
+              f"{r['requests_per_s']:>6.2f} "
               f"{r['decode_tokens_per_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s {r['ttft_p95_s']:>8.2f}s "
               f"{r['latency_p50_s']:>7.2f}s {r['latency_p95_s']:>7.2f}s")
     if "aggregate_speedup" in out:
