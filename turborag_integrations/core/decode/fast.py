@@ -331,13 +331,32 @@ class FastDecoder:
         n = len(tokens)
         ids = torch.tensor([list(tokens)], device=device)
         position_ids = torch.arange(position, position + n, device=device)[None]
+        attention = self.attention
+
+        def attend(L, q, k, v):
+            k, v = cache.update(k, v, L.idx)
+            if n == 1:
+                return attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)[0]
+            return split_attention(q, k, v, L.attn.scaling).transpose(1, 2)
+
+        return self.run_layers(ids, position_ids, attend)
+
+    def run_layers(self, ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """The final-norm hidden states [b, n, hidden] of token ids [b, n] at `position_ids`
+        [b, n], through every decoder layer.
+
+        `attend(layer, q, k, v)` gets the rotated queries [b, heads, n, dim] and keys/values
+        [b, kv_heads, n, dim] of one layer, stores the keys/values and returns the attention
+        output [b, n, heads, dim]: the one part that depends on where the cache lives (one
+        cache for `hidden`, one cache per row for a batched step).
+        """
         h = self.embed(ids)
+        b, n = ids.shape
         cos, sin = self.rotary(h, position_ids)
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         split_qkv = (self.q_size, self.kv_size, self.kv_size)
         split_mlp = (self.intermediate, self.intermediate)
         apply = self._apply
-        attention = self.attention
         for L in self.layers:
             residual = h
             x = L.ln1(h)
@@ -345,16 +364,12 @@ class FastDecoder:
                 q, k, v = L.qkv(x).split(split_qkv, dim=-1)
             else:
                 q, k, v = apply(x, L.q), apply(x, L.k), apply(x, L.v)
-            q = q.view(1, n, heads, dim).transpose(1, 2)
-            k = k.view(1, n, kv_heads, dim).transpose(1, 2)
-            v = v.view(1, n, kv_heads, dim).transpose(1, 2)
+            q = q.view(b, n, heads, dim).transpose(1, 2)
+            k = k.view(b, n, kv_heads, dim).transpose(1, 2)
+            v = v.view(b, n, kv_heads, dim).transpose(1, 2)
             q, k = L.rotary_fn(q, k, cos, sin)
-            k, v = cache.update(k, v, L.idx)
-            if n == 1:
-                a, _ = attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)
-            else:
-                a = split_attention(q, k, v, L.attn.scaling).transpose(1, 2)
-            h = residual + apply(a.reshape(1, n, -1).contiguous(), L.o)
+            a = attend(L, q, k, v)
+            h = residual + apply(a.reshape(b, n, -1).contiguous(), L.o)
             residual = h
             x = L.ln2(h)
             if L.gate_up is not None:

@@ -1,0 +1,300 @@
+"""Batched decoding: a batched step equals each request's own step, and requests decoded
+together through `BatchScheduler` get the answers they get alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from turborag_integrations.core.batching import BatchScheduler
+from turborag_integrations.core.decode.batch import BatchedDecoder
+from turborag_integrations.core.decode.fast import FastDecoder
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.errors import ContextWindowError
+from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.settings import GenerationConfig
+
+CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
+          "Carol sails to Oslo every June.", "The old mill grinds rye on Sundays."]
+TEXTS = ["Hello there", "The lighthouse keeper said that it", "x",
+         "Once upon a time, in a land far away"]
+
+
+def prefilled(model, tokenizer, text: str, room: int = 32) -> tuple[KVCache, int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cache = KVCache.empty(model, len(ids) + room)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache, len(ids)
+
+
+@pytest.mark.parametrize("matmul", ["gemm", "linear"])
+def test_a_batch_of_one_is_the_fast_step(tiny, matmul):
+    model, tok = tiny.model, tiny.tokenizer
+    fast = FastDecoder.for_model(model, matmul=matmul)
+    batched = BatchedDecoder(fast)
+    (a, n), (b, _) = prefilled(model, tok, TEXTS[1]), prefilled(model, tok, TEXTS[1])
+    with torch.inference_mode():
+        for i, token in enumerate([5, 77, 130]):
+            x = fast.step(token, n + i, a)
+            y = batched.step([token], [n + i], [b])
+            assert y.shape == (1, model.config.vocab_size)
+            assert torch.equal(x, y[0])
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+@pytest.mark.parametrize("matmul", ["gemm", "linear"])
+def test_each_row_of_a_batch_is_its_own_step(tiny, matmul):
+    """Four requests of different lengths at their own positions: each row's logits and each
+    cache equal the request's solo run (up to the summation order of a B-row matmul)."""
+    model, tok = tiny.model, tiny.tokenizer
+    fast = FastDecoder.for_model(model, matmul=matmul)
+    batched = BatchedDecoder.for_model(model, matmul=matmul)
+    assert batched.fast is fast
+    solo = [prefilled(model, tok, t) for t in TEXTS]
+    together = [prefilled(model, tok, t) for t in TEXTS]
+    tokens = [5, 77, 130, 9]
+    with torch.inference_mode():
+        for step in range(3):
+            want = torch.stack([fast.step(tokens[i], n + step, cache)
+                                for i, (cache, n) in enumerate(solo)])
+            got = batched.step(tokens, [n + step for _, n in together],
+                               [cache for cache, _ in together])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+            tokens = want.argmax(-1).tolist()
+    for (a, n), (b, _) in zip(solo, together):
+        assert a.length == b.length == n + 3
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_step_checks_its_arguments(tiny_llama):
+    batched = BatchedDecoder.for_model(tiny_llama.model)
+    with pytest.raises(ValueError, match="one of each"):
+        batched.step([1, 2], [3], [None, None])
+    with pytest.raises(ValueError, match="at least one"):
+        batched.step([], [], [])
+
+
+# ---- the scheduler ----------------------------------------------------------------------------
+
+@pytest.fixture
+def engine(tiny, tmp_path):
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    engine.encode_chunks(CHUNKS)
+    return engine
+
+
+def prompt(i: int) -> str:
+    """Prompts of different lengths over two of the stored chunks."""
+    return (f"Context:\n{CHUNKS[i % 4]}\n{CHUNKS[(i + 1) % 4]}\n"
+            f"Question {i}: {'and why ' * i}?\nAnswer:")
+
+
+def run_together(scheduler: BatchScheduler, jobs, consume=None) -> list:
+    """Iterate one stream per job, each on its own thread; return their results (or errors)."""
+    out: list = [None] * len(jobs)
+
+    def client(i: int) -> None:
+        text, config = jobs[i]
+        stream = scheduler.submit(text, chunks=CHUNKS, config=config)
+        try:
+            if consume is not None and consume(i, stream):
+                out[i] = stream.result
+                return
+            for _ in stream:
+                pass
+            out[i] = stream.result
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a client did not finish"
+    return out
+
+
+def hold_first_prefill(engine, monkeypatch, scheduler: BatchScheduler, others: int):
+    """Keep the worker in the first prefill until `others` requests wait behind it, so that
+    they are admitted together and decode in one batch."""
+    prefill, seen = engine.prefill, []
+
+    def held(*args, **kwargs):
+        if not seen:
+            seen.append(1)
+            for _ in range(2000):
+                if scheduler.waiting >= others:
+                    break
+                threading.Event().wait(0.005)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prefill", held)
+
+
+def test_eight_requests_decoded_together_equal_their_solo_answers(engine, monkeypatch):
+    jobs = [(prompt(i), GenerationConfig(max_new_tokens=6 + 5 * i)) for i in range(8)]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
+    sizes, step = [], BatchedDecoder.step
+    monkeypatch.setattr(BatchedDecoder, "step",
+                        lambda self, tokens, *a: (sizes.append(len(tokens)), step(self, tokens, *a))[1])
+    with BatchScheduler(engine, max_batch=8) as scheduler:
+        hold_first_prefill(engine, monkeypatch, scheduler, others=7)
+        results = run_together(scheduler, jobs)
+    for want, got in zip(solo, results):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        assert got.stats.finish_reason == want.stats.finish_reason
+        assert got.stats.prompt_tokens == want.stats.prompt_tokens
+        assert got.stats.reused_tokens == want.stats.reused_tokens
+        assert got.stats.cache_hits == want.stats.cache_hits == 2
+    assert [len(r.token_ids) for r in results] == [6 + 5 * i for i in range(8)]
+    # the seven requests admitted together joined the first one: all eight in one step, and
+    # the batch shrank as they finished
+    assert max(sizes) == 8 and sizes[-1] == 1
+    assert all(1 <= r.stats.extra["mean_batch_size"] <= 8 for r in results)
+
+
+def test_sampling_settings_are_per_request(engine, monkeypatch):
+    configs = [GenerationConfig(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=1),
+               GenerationConfig(max_new_tokens=20),
+               GenerationConfig(max_new_tokens=20, temperature=1.2, top_k=20, seed=2),
+               GenerationConfig(max_new_tokens=20, temperature=0.5, seed=3),
+               GenerationConfig(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=4)]
+    jobs = [(prompt(i), config) for i, config in enumerate(configs)]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config).token_ids for text, config in jobs]
+    assert solo[0] != solo[4]  # the seed matters
+    with BatchScheduler(engine) as scheduler:
+        hold_first_prefill(engine, monkeypatch, scheduler, others=4)
+        results = run_together(scheduler, jobs)
+    assert [r.token_ids for r in results] == solo
+
+
+def test_a_closed_stream_leaves_the_batch_and_returns_its_cache(engine, monkeypatch):
+    jobs = [(prompt(i), GenerationConfig(max_new_tokens=40)) for i in range(4)]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
+    caches, released = [], []
+    prefill, release = engine.prefill, engine.cache_pool.release
+
+    def recording_prefill(*args, **kwargs):
+        pre = prefill(*args, **kwargs)
+        caches.append(pre.cache)
+        return pre
+
+    monkeypatch.setattr(engine, "prefill", recording_prefill)
+    monkeypatch.setattr(engine.cache_pool, "release",
+                        lambda cache: (released.append(cache), release(cache)))
+    closed = {}
+
+    def close_early(i, stream) -> bool:
+        if i != 1:
+            return False
+        for n, _ in enumerate(stream):
+            if n == 3:
+                before = len(released)
+                stream.close()
+                closed["released"] = released[before:]  # back before close returns
+                return True
+        raise AssertionError("the stream ended before it was closed")
+
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, jobs, consume=close_early)
+    assert len(closed["released"]) == 1
+    assert any(closed["released"][0] is cache for cache in caches)
+    cancelled = results[1]
+    assert cancelled.stats.finish_reason == "cancelled"
+    assert cancelled.token_ids == solo[1].token_ids[:len(cancelled.token_ids)]
+    assert len(cancelled.token_ids) < 40
+    for i in (0, 2, 3):
+        assert results[i].token_ids == solo[i].token_ids
+    # every cache went back to the pool, once
+    assert sorted(map(id, released)) == sorted(map(id, caches))
+
+
+def test_a_failing_prefill_fails_only_its_own_stream(engine):
+    too_long = "x" * (engine.context_window + 10)
+    jobs = [(prompt(0), GenerationConfig(max_new_tokens=12)),
+            (too_long, GenerationConfig(max_new_tokens=12)),
+            (prompt(2), GenerationConfig(max_new_tokens=12))]
+    solo = [engine.generate(jobs[i][0], chunks=CHUNKS, config=jobs[i][1]) for i in (0, 2)]
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, jobs)
+        assert isinstance(results[1], ContextWindowError)
+        assert [results[0].token_ids, results[2].token_ids] == [s.token_ids for s in solo]
+        # the scheduler keeps serving
+        again = scheduler.submit(prompt(3), chunks=CHUNKS, config=GenerationConfig(max_new_tokens=4))
+        assert "".join(again) == again.result.text
+        assert len(again.result.token_ids) == 4
+
+
+def test_stop_strings_and_end_of_sequence_are_per_request(engine):
+    config = GenerationConfig(max_new_tokens=30)
+    plain = [engine.generate(prompt(i), chunks=CHUNKS, config=config).token_ids
+             for i in range(8)]
+    # an end-of-sequence token that one answer (a) contains and another (b) does not
+    a, b, eos = next((a, b, t) for a in range(8) for b in range(8)
+                     for t in plain[a][1:] if t not in plain[b])
+    engine.eos_ids = engine.eos_ids | {eos}
+    stop = engine.tokenizer.decode(plain[b], skip_special_tokens=True)[8:11]
+    jobs = [(prompt(a), config),  # ends at the end-of-sequence token
+            (prompt(b), config),  # runs to its length
+            (prompt(b), GenerationConfig(max_new_tokens=30, stop=[stop]))]  # ends at `stop`
+    solo = [engine.generate(text, chunks=CHUNKS, config=c) for text, c in jobs]
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, jobs)
+    assert [r.text for r in results] == [s.text for s in solo]
+    assert [r.token_ids for r in results] == [s.token_ids for s in solo]
+    assert results[0].token_ids == plain[a][:plain[a].index(eos)]
+    assert results[1].token_ids == plain[b]
+    assert stop and len(results[2].token_ids) < 30
+    assert [r.stats.finish_reason for r in results] == ["stop", "length", "stop"]
+
+
+def test_drafted_requests_decode_alongside_the_batch(engine):
+    jobs = [(prompt(0), GenerationConfig(max_new_tokens=16, draft="bf16")),
+            (prompt(1), GenerationConfig(max_new_tokens=16)),
+            (prompt(2), GenerationConfig(max_new_tokens=16, quantize="bf16"))]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, jobs)
+    assert [r.token_ids for r in results] == [s.token_ids for s in solo]
+    assert results[0].stats.extra["draft_rounds"] > 0
+    assert "mean_batch_size" not in results[0].stats.extra
+
+
+def test_streams_start_on_first_iteration_and_a_closed_scheduler_refuses(engine):
+    scheduler = BatchScheduler(engine)
+    stream = scheduler.submit(prompt(0), chunks=CHUNKS, config=GenerationConfig(max_new_tokens=3))
+    assert scheduler.waiting == scheduler.in_flight == 0  # nothing runs before iteration
+    assert "".join(stream) == stream.result.text
+    assert stream.result.stats.new_tokens == 3
+    late = scheduler.submit(prompt(1), chunks=CHUNKS)
+    scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(iter(late))
+    with pytest.raises(ValueError):
+        BatchScheduler(engine, max_batch=0)
+
+
+@pytest.mark.real_model
+def test_real_model_batched_answers_equal_solo_answers(smollm2, tmp_path):
+    engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    questions = ["Who was born in Paris?", "How many bicycles does Bob keep?",
+                 "Where does Carol sail?", "When does the mill grind rye?",
+                 "Summarise the context in one sentence.", "Which city is mentioned first?"]
+    engine.encode_chunks(CHUNKS)
+    prompts = [engine.render_chat([{"role": "user", "content": "Context:\n" + "\n".join(CHUNKS)
+                                    + f"\n\nQuestion: {q}"}]) for q in questions]
+    config = GenerationConfig(max_new_tokens=24)
+    solo = [engine.generate(p, chunks=CHUNKS, config=config).token_ids for p in prompts]
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, [(p, config) for p in prompts])
+    assert [r.token_ids for r in results] == solo

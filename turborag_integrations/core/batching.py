@@ -1,0 +1,344 @@
+"""Continuous batching: many streamed generations decoded together on one engine.
+
+A decode step of a small model on a CPU is bound by reading memory: all the weights, and the
+request's KV cache. Requests decoded together in one batched step (core/decode/batch.py) share
+the read of the weights; each still reads its own cache. `BatchScheduler` gives one engine's
+model to a worker thread that decodes every request in flight in one batched step:
+
+    scheduler = BatchScheduler(engine, max_batch=8)
+    stream = scheduler.submit(prompt, chunks=chunks, config=GenerationConfig(max_new_tokens=64))
+    for delta in stream: ...               # iterate streams on several threads: they decode together
+    stream.result.stats.ttft_s
+
+`submit` takes the arguments of `engine.stream` and returns the same `GenerationStream`, with the
+same text deltas, stop strings, `.result` and stats, so a caller can switch between the two. As
+with `engine.stream`, nothing happens until the stream is first iterated; its first `next()`
+waits for the request's turn and prefill, so errors of the prefill are raised there.
+
+The worker repeats:
+1. admit: while fewer than `max_batch` requests are in flight, take the next waiting request and
+   prefill it alone (`engine.segments` + `engine.prefill`, the stitched prefill of
+   `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
+   A failing prefill fails that request only.
+2. step: one `BatchedDecoder.step` for every batched request in flight, then each request draws
+   its next token with its own `Sampler` (its own temperature, top-k/top-p and seeded generator),
+   so it gets the tokens it would get alone (greedy: equal to `engine.generate`, tested).
+3. retire: a request leaves after its last token (max_new_tokens, the end of the context window
+   or an end-of-sequence token), as soon as its consumer closes the stream (a stop string,
+   `stream.close()`, a client that is gone) and on an error; its cache goes back to the
+   engine's pool before the stream's close returns.
+
+Requests a batched step does not serve decode on the same worker, one token per round alongside
+the batch, through the engine's own decode loop: drafted decoding (`config.draft`: several
+tokens per verification round), quantised decoding (`config.quantize`: the int8 path scales
+activations over the whole input, so rows would change each other's answers), and every request
+of a model the fast path does not support. They take a place in the batch like the others.
+
+The worker should be the only thread that runs torch. Another thread calling the engine at the
+same time gets correct answers but slows both down. So does, with the GNU OpenMP of PyTorch's
+CPU builds, a thread that merely ran torch before and is still alive (the main thread that
+loaded the model, typically): it keeps its own OpenMP thread pool, and once the pools hold more
+threads than there are cores, OpenMP stops spinning between parallel regions and every operation
+of the process pays for waking its threads (a decode step took ≈1.7x as long on a 2-core
+machine). Load the model on a thread that ends before the scheduler starts (see
+benchmarks/batching.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from .decode.batch import BatchedDecoder
+from .decode.loop import decode_loop, now
+from .decode.sampling import Sampler
+from .decode.selfspec import DraftStats
+from .engine import TurboRAGEngine
+from .prefill.recovery import parse_recovery
+from .prefill.stitch import Segment
+from .run import GenerationStats, GenerationStream, Run
+from .settings import GenerationConfig
+
+log = logging.getLogger(__name__)
+
+_ADMITTED = object()  # first item of a request's queue once its prefill is done
+_END = object()  # last item: no more tokens
+
+
+class _Request:
+    """One submitted generation: its arguments, the channel to its consumer, and the worker's
+    decoding state (touched by the worker thread only)."""
+
+    def __init__(self, prompt, chunks, config: GenerationConfig, mode: str,
+                 positions: str | None, encode_missing: bool, recovery):
+        self.prompt, self.chunks, self.config, self.mode = prompt, chunks, config, mode
+        self.positions, self.encode_missing, self.recovery = positions, encode_missing, recovery
+        self.stats = GenerationStats(mode=mode)
+        self.draft_stats = DraftStats() if config.draft else None
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # _ADMITTED, tokens, _END or an error
+        self.cancelled = threading.Event()  # the consumer has closed its stream
+        self.released = threading.Event()  # the worker holds nothing of it any more
+        self.limit = 0
+        self.cache = None
+        self.sampler: Sampler | None = None
+        self.token = 0  # the last token handed over: the next one fed to the model
+        self.position = 0  # where that token goes
+        self.count = 0  # tokens handed over
+        self.solo: Iterator[int] | None = None  # the decode loop of an unbatched request
+        self.steps = 0  # batched steps it took part in
+        self.batch_sizes = 0  # the sum of their batch sizes
+        self.submitted = 0.0  # when it joined the queue
+
+    @property
+    def batched(self) -> bool:
+        return self.solo is None
+
+    def tokens(self) -> Iterator[list[int]]:
+        """What the consumer iterates: the tokens handed over so far, in batches."""
+        while True:
+            batch = []
+            item = self.out.get()
+            while True:
+                if item is _END or isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    if item is _END:
+                        return
+                    raise item
+                batch.append(item)
+                try:
+                    item = self.out.get_nowait()
+                except queue.Empty:
+                    break
+            yield batch
+
+
+class BatchScheduler:
+    """Decodes the generations submitted to it together, on one worker thread that owns
+    `engine`'s model; see the module docstring."""
+
+    def __init__(self, engine: TurboRAGEngine, max_batch: int = 8, *,
+                 name: str = "turborag-batch"):
+        if max_batch < 1:
+            raise ValueError("max_batch must be ≥ 1")
+        self.engine = engine
+        self.max_batch = max_batch
+        # Up to max_batch caches are in use at once; keep that many in the pool, or every
+        # admission pays for faulting in a fresh buffer (≈0.1 s at 4K tokens).
+        engine.cache_pool.keep = max(engine.cache_pool.keep, max_batch)
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []  # worker thread only
+        # The model's batched decoder, looked up at each admission (the lookup checks that the
+        # fast path still supports the model, ≈2 ms for SmolLM2: too much for every step).
+        self._decoder: BatchedDecoder | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- the callers' side -------------------------------------------------------------------
+    def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
+               config: GenerationConfig | None = None, mode: str = "turbo",
+               positions: str | None = None, encode_missing: bool = False,
+               recovery=None) -> GenerationStream:
+        """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
+        joins the batch when the stream is first iterated."""
+        config = config or GenerationConfig()
+        request = _Request(prompt, list(chunks), config, mode, positions, encode_missing, recovery)
+        return GenerationStream(start=lambda: self._start(request))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being decoded now (a snapshot)."""
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place in the batch (a snapshot)."""
+        return len(self._waiting)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no more requests; those submitted already run to their end, then the worker
+        stops (waits up to `timeout` seconds for that)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "BatchScheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, request: _Request) -> Run:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch scheduler is closed")
+            request.submitted = now()
+            self._waiting.append(request)
+            self._cond.notify()
+        first = request.out.get()  # the prefill's outcome
+        if isinstance(first, BaseException):
+            raise first
+
+        def finish() -> None:
+            request.cancelled.set()  # a no-op once the worker has retired it
+            while not request.released.wait(0.5):
+                if not self._thread.is_alive():
+                    break
+            if request.draft_stats is not None:
+                request.stats.extra.update(request.draft_stats.as_dict())
+
+        return Run(request.tokens(), request.stats, request.limit, self.engine.tokenizer,
+                   request.config.stop, finish)
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._active and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._waiting and not self._active:
+                    return
+                admit = []
+                while self._waiting and len(self._active) + len(admit) < self.max_batch:
+                    admit.append(self._waiting.popleft())
+            try:
+                for request in admit:
+                    self._admit(request)
+                self._active = [r for r in self._active if not self._retire_if_cancelled(r)]
+                self._step()
+            except Exception as exc:  # a batched step (or a bug): fail what is in flight
+                log.exception("batch scheduler round failed")
+                for request in self._active + admit:
+                    self._retire(request, exc)  # once per request: retired ones are skipped
+                self._active = []
+
+    def _admit(self, request: _Request) -> None:
+        """Prefill `request` and hand over its first token; it joins the batch unless that
+        token was its last. A failing prefill fails this request only."""
+        engine, config = self.engine, request.config
+        try:
+            pre = self._prefill(request)
+        except Exception as exc:
+            self._retire(request, exc)
+            return
+        request.cache = pre.cache
+        request.limit = min(config.max_new_tokens,
+                            engine.context_window - pre.plan.next_position)
+        request.position = pre.plan.next_position
+        decoder = None
+        if config.draft is None and config.quantize is None:
+            decoder = BatchedDecoder.for_model(engine.model)
+        if decoder is not None:
+            self._decoder = decoder
+            request.sampler = Sampler(config)
+        else:
+            request.solo = decode_loop(engine.model, pre.cache, pre.logits, request.position,
+                                       config, engine.eos_ids, max_new_tokens=request.limit,
+                                       draft_stats=request.draft_stats)
+        request.out.put(_ADMITTED)
+        if self._advance(request, pre.logits):
+            self._active.append(request)
+
+    def _prefill(self, request: _Request):
+        """`engine.stream`'s prefill of the request's prompt; fills in its prompt stats."""
+        engine, config = self.engine, request.config
+        t0 = now()
+        if isinstance(request.prompt, str):
+            segments, hits, misses = engine.segments(request.prompt, request.chunks,
+                                                     mode=request.mode,
+                                                     encode_missing=request.encode_missing)
+        elif request.mode == "turbo":
+            segments = list(request.prompt)
+            hits, misses = sum(s.cached for s in segments), 0
+        else:
+            segments, hits, misses = [Segment("".join(s.text for s in request.prompt))], 0, 0
+        t_loaded = now()
+        # drafts are written past the accepted tokens before verification cuts them off
+        reserve = config.max_new_tokens + (config.draft_tokens + 1 if config.draft else 0)
+        pre = engine.prefill(segments, positions=request.positions, reserve=reserve,
+                             recovery=request.recovery)
+        plan, stats = pre.plan, request.stats
+        stats.assembly_s = (t_loaded - t0) + pre.timings["assembly_s"]
+        stats.prefill_s = pre.timings["prefill_s"]
+        stats.prompt_tokens = len(plan.token_ids)
+        stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
+        stats.cache_hits, stats.cache_misses = hits, misses
+        stats.extra["positions"] = request.positions or engine.positions
+        stats.extra["queue_s"] = t0 - request.submitted
+        if request.recovery is not None:
+            stats.extra["recovery"] = str(parse_recovery(request.recovery))
+            stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
+        return pre
+
+    def _advance(self, request: _Request, logits: torch.Tensor | None) -> bool:
+        """Hand over `request`'s next token (drawn from `logits`, or from its own decode loop);
+        retire it and return False when it has no more."""
+        try:
+            if request.cancelled.is_set():
+                token = None
+            elif request.batched:
+                token = request.sampler(logits) if request.count < request.limit else None
+                if token in self.engine.eos_ids:
+                    token = None
+            else:
+                token = next(request.solo, None)
+            if token is None:
+                self._retire(request)
+                return False
+            request.out.put(token)
+            request.count += 1
+            request.token = token
+            if request.batched and request.count == request.limit:
+                self._retire(request)  # its last token: no step for it
+                return False
+            return True
+        except Exception as exc:
+            self._retire(request, exc)
+            return False
+
+    def _step(self) -> None:
+        """One round: a batched step for the batched requests, one token from every other."""
+        batch = [r for r in self._active if r.batched]
+        keep = []
+        if batch:
+            with torch.inference_mode():
+                logits = self._decoder.step([r.token for r in batch], [r.position for r in batch],
+                                      [r.cache for r in batch])
+            for i, request in enumerate(batch):
+                request.position += 1
+                request.steps += 1
+                request.batch_sizes += len(batch)
+                if self._advance(request, logits[i]):
+                    keep.append(request)
+        for request in self._active:
+            if not request.batched and self._advance(request, None):
+                keep.append(request)
+        self._active = keep
+
+    def _retire_if_cancelled(self, request: _Request) -> bool:
+        if request.cancelled.is_set():
+            self._retire(request)
+            return True
+        return False
+
+    def _retire(self, request: _Request, error: BaseException | None = None) -> None:
+        """Give the request's cache back and end its stream (with `error`, if any)."""
+        if request.released.is_set():
+            return
+        if request.solo is not None:
+            request.solo.close()
+        if request.cache is not None:
+            self.engine.cache_pool.release(request.cache)
+            request.cache = None
+        if request.steps:
+            request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps
+        request.released.set()
+        request.out.put(error if error is not None else _END)
