@@ -193,6 +193,7 @@ def main(argv=None) -> int:
         "many_clients_end_to_end_tps": med(r["end_to_end_tps"] for r in many),
         "many_clients_mean_batch_size": med(r["mean_batch_size"] for r in many),
         "one_client_ttft_p50_s": percentile(ttft_1, 50),
+        "one_client_ttft_p95_s": percentile(ttft_1, 95),
         "many_clients_ttft_p50_s": percentile(ttft_n, 50),
         "many_clients_ttft_p95_s": percentile(ttft_n, 95),
         "one_client_answers_equal_generate": sum(a == b for a, b in zip(answers["1"], solo)),
@@ -203,21 +204,27 @@ def main(argv=None) -> int:
         print(json.dumps(report))
         return 0
     n, r = args.clients, report
-    print(f"model {args.model}, {r['threads']} threads, {n} prompts of ≈{r['context_tokens']} "
-          f"tokens, {args.new_tokens} new tokens each, median of {args.runs} runs")
-    print(f"{'':>20} {'engine.generate':>16} {'1 client':>9} {f'{n} clients':>10}")
-    print(f"{'decode tokens/s':>20} {r['generate_decode_tps']:>16.1f} "
-          f"{r['one_client_decode_tps']:>9.1f} {r['many_clients_decode_tps']:>10.1f}"
-          f"   ({r['speedup']:.1f}x of 1 client)")
-    print(f"{'end-to-end tokens/s':>20} {'':>16} {r['one_client_end_to_end_tps']:>9.1f} "
-          f"{r['many_clients_end_to_end_tps']:>10.1f}")
-    print(f"{'TTFT p50 (s)':>20} {'':>16} {r['one_client_ttft_p50_s']:>9.3f} "
-          f"{r['many_clients_ttft_p50_s']:>10.3f}")
-    print(f"{'TTFT p95 (s)':>20} {'':>16} {'':>9} {r['many_clients_ttft_p95_s']:>10.3f}")
-    print(f"{'mean batch size':>20} {'':>16} {1:>9} {r['many_clients_mean_batch_size']:>10.1f}")
-    print(f"greedy answers equal to engine.generate's: 1 client "
-          f"{r['one_client_answers_equal_generate']}/{n}, {n} clients "
-          f"{r['many_clients_answers_equal_generate']}/{n}")
+    lines = [f"model {args.model}, {r['threads']} threads, {n} prompts of "
+             f"≈{r['context_tokens']} tokens, {args.new_tokens} new tokens each, median of "
+             f"{args.runs} runs",
+             f"{'':>20} {'engine.generate':>16} {'1 client':>9} {f'{n} clients':>10}"]
+    table = [  # name, engine.generate, 1 client, n clients, format
+        ("decode tokens/s", r["generate_decode_tps"], r["one_client_decode_tps"],
+         r["many_clients_decode_tps"], ".1f"),
+        ("end-to-end tokens/s", None, r["one_client_end_to_end_tps"],
+         r["many_clients_end_to_end_tps"], ".1f"),
+        ("TTFT p50 (s)", None, r["one_client_ttft_p50_s"], r["many_clients_ttft_p50_s"], ".3f"),
+        ("TTFT p95 (s)", None, r["one_client_ttft_p95_s"], r["many_clients_ttft_p95_s"], ".3f"),
+        ("mean batch size", None, 1, r["many_clients_mean_batch_size"], ".1f"),
+    ]
+    for name, *values, fmt in table:
+        cells = ["" if v is None else format(v, fmt) for v in values]
+        lines.append(f"{name:>20} {cells[0]:>16} {cells[1]:>9} {cells[2]:>10}")
+    lines.append(f"{n} clients: {r['speedup']:.1f}x the decode tokens/s of 1 client; greedy "
+                 f"answers equal to engine.generate's: 1 client "
+                 f"{r['one_client_answers_equal_generate']}/{n}, {n} clients "
+                 f"{r['many_clients_answers_equal_generate']}/{n}")
+    print("\n".join(lines))
     return 0
 
 

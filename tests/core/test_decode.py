@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers import GenerationConfig as HFGenerationConfig
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.prefill.cache import KVCache
@@ -26,10 +27,15 @@ def prompt_ids(tokenizer, text="The lighthouse keeper said that"):
 
 
 def hf_greedy(model, ids, n, pad_token_id):
-    """HF generate's greedy continuation of `ids`: exactly n tokens."""
+    """HF generate's greedy continuation of `ids`: exactly n tokens, end-of-sequence included.
+
+    No eos_token_id rather than min_new_tokens: min_new_tokens masks the end-of-sequence logit,
+    so where the model's argmax is end-of-sequence the reference would pick the runner-up.
+    """
+    config = HFGenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=pad_token_id,
+                                eos_token_id=None)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=pad_token_id)
+        out = model.generate(torch.tensor([ids]), generation_config=config)
     return out[0, len(ids):].tolist()
 
 

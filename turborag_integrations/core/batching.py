@@ -189,6 +189,10 @@ class BatchScheduler:
 
         def finish() -> None:
             request.cancelled.set()  # a no-op once the worker has retired it
+            # A stream dropped unclosed is finalised by the garbage collector, on any thread:
+            # on the worker's, waiting would wait for itself; it retires the request next round.
+            if threading.current_thread() is self._thread:
+                return
             while not request.released.wait(0.5):
                 if not self._thread.is_alive():
                     break
