@@ -17,6 +17,8 @@ import typer
 DEVSET = Path(__file__).resolve().parents[1] / "data" / "devset"
 # Hand-written, never trained on or used to choose settings: report on it once.
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout" / "heldout.jsonl"
+# Long documents for RAPID's modes: dev chooses η, test is reported (evaluation/longdoc.py).
+LONGDOC = Path(__file__).resolve().parents[1] / "data" / "longdoc"
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -26,38 +28,78 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def eval_command(
-    data: Path = typer.Argument(DEVSET / "test.jsonl", help="JSONL set: id, question, answers, chunks"),
+    data: Optional[Path] = typer.Argument(None, help="JSONL set: id, question, answers, chunks "
+                                          "(default: the bundled devset test split); for the "
+                                          "long-document modes a long-document set (default: "
+                                          "the bundled longdoc test split)"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     adapter: str = typer.Option("default", help="LoRA adapter merged at load: 'default' (the one "
                                 "shipped for the bundled model), 'none', or a file"),
-    modes: str = typer.Option("naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15",
-                              help="comma-separated: naive, turbo, turbo-composite, "
-                                   "turbo[-composite]+RECOVERY (boundary:K, blend:R), ft:MODE"),
+    modes: Optional[str] = typer.Option(
+        None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
+                   "(boundary:K, blend:R), ft:MODE; or, on a long-document set, long-context, "
+                   "rag-only, rapid:η, rapid (η chosen on --dev). Default: "
+                   "naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15, or "
+                   "long-context,rag-only,rapid:0,rapid on a long-document set"),
     finetuned: Optional[Path] = typer.Option(None, help="fine-tuned model folder: adds ft:naive "
                                              "and ft:turbo unless --modes names ft: modes"),
     out: Path = typer.Option(Path("eval-out"), help="folder for results.json, answers.jsonl, "
                              "table.md, plot.png"),
     max_new_tokens: int = typer.Option(24),
-    limit: Optional[int] = typer.Option(None, help="evaluate the first N items only"),
+    limit: Optional[int] = typer.Option(None, help="evaluate the first N items "
+                                        "(long-document sets: documents) only"),
     table: bool = typer.Option(True, help="write and print a markdown table"),
     plot: bool = typer.Option(False, help="write plot.png (accuracy vs TTFT; needs matplotlib)"),
     json_out: bool = typer.Option(False, "--json", help="print the results JSON to stdout"),
+    dev: Path = typer.Option(LONGDOC / "dev.jsonl", help="long-document modes: the set on which "
+                             "mode 'rapid' chooses η (never the evaluated documents)"),
+    eta_grid: str = typer.Option("0,0.5,1,2,4", help="long-document modes: the η values mode "
+                                 "'rapid' tries on --dev"),
+    dev_limit: Optional[int] = typer.Option(None, help="long-document modes: choose η on the "
+                                            "first N documents of --dev only"),
+    gamma: int = typer.Option(5, help="long-document modes: RAPID's drafts per round"),
+    drafter: Optional[str] = typer.Option(None, help="long-document modes: the drafter model "
+                                          "(same vocabulary as --model); default: the model "
+                                          "drafts for itself"),
 ):
-    """Accuracy and TTFT of TurboRAG modes (and recovery / fine-tuned models) on a RAG set."""
+    """Accuracy and TTFT of TurboRAG modes (and recovery / fine-tuned models) on a RAG set;
+    accuracy and decode tokens/s of long-context, RAG-only and RAPID on long documents."""
+    from .longdoc import is_long_document_set
+    from .rapid_eval import DEFAULT_LONG_MODES, is_long_mode
+
+    mode_list = [m.strip() for m in (modes or "").split(",") if m.strip()]
+    long_modes = [m for m in mode_list if is_long_mode(m)]
+    if long_modes and len(long_modes) != len(mode_list):
+        fail("the long-document modes (long-context, rag-only, rapid, rapid:η) run on a "
+             "long-document set and cannot be mixed with TurboRAG modes in one run: "
+             f"{', '.join(m for m in mode_list if not is_long_mode(m))}")
+    if data is None:
+        data = LONGDOC / "test.jsonl" if long_modes else DEVSET / "test.jsonl"
+    if not data.exists():
+        fail(f"no such file: {data}")
+    if not mode_list and is_long_document_set(data):
+        mode_list = long_modes = list(DEFAULT_LONG_MODES)
+    if long_modes:
+        return _eval_long(data, long_modes, model=model, adapter=adapter, drafter=drafter,
+                          dev=dev, dev_limit=dev_limit, eta_grid=eta_grid, gamma=gamma, out=out,
+                          max_new_tokens=max_new_tokens, limit=limit, table=table,
+                          json_out=json_out)
+    if is_long_document_set(data):
+        fail(f"{data} is a long-document set: use the modes long-context, rag-only, rapid:η, "
+             "rapid")
+    mode_list = mode_list or ["naive", "turbo", "turbo-composite", "turbo+boundary:16",
+                              "turbo+blend:0.15"]
     from ..core.engine import TurboRAGEngine
     from ..core.errors import TurboRAGError
     from ..core.models import DEFAULT_MODEL
     from .harness import evaluate, load_items, markdown_table, temporary_store, write_results
 
-    if not data.exists():
-        fail(f"no such file: {data}")
     report = load_items(data)
     for line, reason in report.errors:
         typer.secho(f"{data}:{line}: skipped malformed line: {reason}", fg=typer.colors.YELLOW,
                     err=True)
     if not report.items:
         fail("no valid items to evaluate")
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     ft_doc = False
     if finetuned is not None:
         if not any(m.startswith("ft:") for m in mode_list):
@@ -99,3 +141,76 @@ def eval_command(
         typer.echo(markdown_table(results))
     typer.echo(f"results in {out}/", err=True)
 
+
+
+def _eval_long(data: Path, modes: list[str], *, model, adapter, drafter, dev: Path, dev_limit,
+               eta_grid: str,
+               gamma: int, out: Path, max_new_tokens: int, limit, table: bool,
+               json_out: bool) -> None:
+    """`turborag eval` on a long-document set: long-context, rag-only and RAPID modes."""
+    from ..core.engine import TurboRAGEngine
+    from ..core.errors import TurboRAGError
+    from ..core.models import DEFAULT_MODEL
+    from .harness import temporary_store, write_results
+    from .longdoc import load_documents
+    from .rapid_eval import LongMode, evaluate_long, long_table, make_rapid, parse_eta_grid
+
+    try:
+        specs = [LongMode.parse(m) for m in modes]
+        grid = parse_eta_grid(eta_grid)
+    except ValueError as exc:
+        fail(str(exc))
+    docs, errors = load_documents(data)
+    for line, reason in errors:
+        typer.secho(f"{data}:{line}: skipped malformed line: {reason}", fg=typer.colors.YELLOW,
+                    err=True)
+    docs = docs[:limit] if limit else docs
+    if not docs:
+        fail(f"no valid documents in {data} (a long-document set: one JSON line per document "
+             "with 'document' and 'questions')")
+    dev_docs = None
+    if any(s.kind == "rapid" and s.eta is None for s in specs):
+        if not dev.exists():
+            fail(f"no such dev set: {dev} (mode 'rapid' chooses η on it; or use rapid:η)")
+        dev_docs, dev_errors = load_documents(dev)
+        if dev_errors or not dev_docs:
+            fail(f"{dev}: malformed dev set: {dev_errors[:3] or 'no documents'}")
+        dev_docs = dev_docs[:dev_limit] if dev_limit else dev_docs
+    try:
+        with temporary_store() as kv:
+            target = TurboRAGEngine(model, store=kv, progress=False, adapter=adapter)
+            draft = (TurboRAGEngine(drafter, store=target.store, progress=False, adapter=adapter)
+                     if drafter else None)
+            rapid = make_rapid(target, draft, gamma=gamma)
+            results = evaluate_long(rapid, docs, modes, dev_docs=dev_docs, eta_grid=grid,
+                                    max_new_tokens=max_new_tokens,
+                                    progress=lambda line: typer.echo(f"  {line}", err=True))
+    except (TurboRAGError, ValueError) as exc:
+        fail(str(exc))
+    results.update(data=str(data), dev=dict(results["dev"] or {}, data=str(dev))
+                   if results["dev"] else None, model=model or DEFAULT_MODEL, drafter=drafter,
+                   adapter=str(target.adapter) if target.adapter else None,
+                   malformed_lines=[{"line": n, "reason": r} for n, r in errors])
+    for s in results["skipped"]:
+        typer.secho(f"skipped {s['doc_id']}: {s['reason']}", fg=typer.colors.YELLOW, err=True)
+    if results["dev"]:  # the dev answers beside the evaluated ones, not inside results.json
+        dev_rows = results["dev"].pop("answers")
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "dev_answers.jsonl", "w", encoding="utf-8") as f:
+            for row in dev_rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_results(results, out, table=False)
+    text = long_table(results)
+    if results["eta_chosen"] is not None:
+        dev_text = long_table(results["dev"])
+        text += (f"\nη chosen on {dev}: {results['eta_chosen']:g} (grid {eta_grid})\n\n"
+                 f"dev set:\n\n{dev_text}")
+    if table:
+        (out / "table.md").write_text(text)
+    if json_out:
+        summary = {k: v for k, v in results.items() if k != "answers"}
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif table:
+        typer.echo(text)
+    typer.echo(f"results in {out}/", err=True)
