@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from turborag_integrations.core.batching import BatchScheduler
+from turborag_integrations.core.batching import BatchScheduler, RequestCancelled
 from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.engine import TurboRAGEngine
@@ -160,6 +160,7 @@ def test_eight_requests_decoded_together_equal_their_solo_answers(engine, monkey
     # the seven requests admitted together joined the first one: all eight in one step, and
     # the batch shrank as they finished
     assert max(sizes) == 8 and sizes[-1] == 1
+    assert (scheduler.steps, scheduler.rows) == (len(sizes), sum(sizes))
     assert all(1 <= r.stats.extra["mean_batch_size"] <= 8 for r in results)
 
 
@@ -282,6 +283,94 @@ def test_streams_start_on_first_iteration_and_a_closed_scheduler_refuses(engine)
         next(iter(late))
     with pytest.raises(ValueError):
         BatchScheduler(engine, max_batch=0)
+
+
+def test_calls_run_on_the_worker_between_rounds(engine, monkeypatch):
+    """Encoding chunks through `call` while requests decode: on the worker's thread, in order,
+    errors to their caller, and the answers in flight unchanged."""
+    jobs = [(prompt(i), GenerationConfig(max_new_tokens=30)) for i in range(3)]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
+    new_chunks = ["Dora paints lighthouses in Brest.", "Emil repairs clocks on Fridays."]
+    ran, futures = [], []
+
+    def first_call(i, stream) -> bool:
+        if i != 0:
+            return False
+        for n, _ in enumerate(stream):
+            if n == 2:  # mid-answer: the others are in the batch too
+                futures.append(scheduler.call(lambda: ran.append(
+                    (threading.current_thread().name, scheduler.in_flight))))
+                futures.append(scheduler.call(lambda: engine.encode_chunks(new_chunks)))
+                futures.append(scheduler.call(lambda: 1 / 0))
+                futures.append(scheduler.call(lambda: ran.append("after the error")))
+        return True
+
+    with BatchScheduler(engine, name="the-worker") as scheduler:
+        results = run_together(scheduler, jobs, consume=first_call)
+        keys = futures[1].result(timeout=60)
+        with pytest.raises(ZeroDivisionError):
+            futures[2].result(timeout=60)
+        futures[3].result(timeout=60)
+        assert scheduler.call(lambda: 42).result(timeout=60) == 42
+    name, in_flight = ran[0]
+    assert name == "the-worker" and in_flight >= 1 and ran[1] == "after the error"
+    assert keys == [engine.chunk_key(c) for c in new_chunks]
+    assert all(engine.store.contains(k) for k in keys)
+    assert [r.token_ids for r in results] == [s.token_ids for s in solo]
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.call(lambda: None)
+
+
+def test_a_call_cancelled_before_it_starts_does_not_run(engine):
+    gate, ran = threading.Event(), []
+    with BatchScheduler(engine) as scheduler:
+        held = scheduler.call(gate.wait)  # the worker waits here
+        later = scheduler.call(lambda: ran.append(1))
+        assert later.cancel()
+        gate.set()
+        held.result(timeout=60)
+        scheduler.call(lambda: None).result(timeout=60)
+    assert later.cancelled() and ran == []
+
+
+def test_a_withdrawn_request_is_never_prefilled_and_one_in_the_batch_leaves_it(engine,
+                                                                               monkeypatch):
+    prefills, prefill = [], engine.prefill
+    monkeypatch.setattr(engine, "prefill",
+                        lambda *a, **k: (prefills.append(1), prefill(*a, **k))[1])
+    config = GenerationConfig(max_new_tokens=200)
+    alone = engine.generate(prompt(0), chunks=CHUNKS, config=config)
+    prefills.clear()
+    with BatchScheduler(engine, max_batch=1) as scheduler:
+        leave, withdraw = threading.Event(), threading.Event()
+        first = scheduler.submit(prompt(0), chunks=CHUNKS, config=config, cancelled=leave)
+        deltas = iter(first)
+        next(deltas)  # in the batch, alone: it holds the one place
+        waiting = scheduler.submit(prompt(1), chunks=CHUNKS, config=config, cancelled=withdraw)
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(
+            pytest.raises(RequestCancelled, next, iter(waiting))))
+        thread.start()
+        for _ in range(2000):
+            if scheduler.waiting == 1:
+                break
+            threading.Event().wait(0.005)
+        assert scheduler.waiting == 1
+        withdraw.set()
+        thread.join(60)
+        assert outcome and waiting.result is None
+        assert scheduler.waiting == 0 and len(prefills) == 1  # the second was never prefilled
+
+        leave.set()  # the first leaves the batch at the next round, its stream still open
+        for _ in deltas:  # it ends, as if the answer had: the one who withdrew it knows why
+            pass
+        tokens = first.result.token_ids
+        assert 1 <= len(tokens) < 200 and tokens == alone.token_ids[:len(tokens)]
+        for _ in range(200):  # the worker notes it gone just after handing over the end
+            if scheduler.in_flight == 0:
+                break
+            threading.Event().wait(0.005)
+        assert scheduler.in_flight == 0
 
 
 @pytest.mark.real_model

@@ -16,6 +16,10 @@ with `engine.stream`, nothing happens until the stream is first iterated; its fi
 waits for the request's turn and prefill, so errors of the prefill are raised there.
 
 The worker repeats:
+0. calls: run the functions given to `call(fn)` (other work on the model, such as encoding
+   chunks or a warm-up, which belongs on this thread too; see the last paragraph), each with a
+   `concurrent.futures.Future` of its result. While one runs, every request in flight waits, so
+   split long work into several calls.
 1. admit: while fewer than `max_batch` requests are in flight, take the next waiting request and
    prefill it alone (`engine.segments` + `engine.prefill`, the stitched prefill of
    `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
@@ -27,6 +31,10 @@ The worker repeats:
    or an end-of-sequence token), as soon as its consumer closes the stream (a stop string,
    `stream.close()`, a client that is gone) and on an error; its cache goes back to the
    engine's pool before the stream's close returns.
+
+A caller may pass `cancelled=` (a `threading.Event`) to `submit` and set it to withdraw the
+request without touching its stream, from any thread: a request withdrawn while it waits is never
+prefilled (its stream raises `RequestCancelled`); one in the batch leaves it at the next round.
 
 Requests a batched step does not serve decode on the same worker, one token per round alongside
 the batch, through the engine's own decode loop: drafted decoding (`config.draft`: several
@@ -41,7 +49,7 @@ loaded the model, typically): it keeps its own OpenMP thread pool, and once the 
 threads than there are cores, OpenMP stops spinning between parallel regions and every operation
 of the process pays for waking its threads (a decode step took ≈1.7x as long on a 2-core
 machine). Load the model on a thread that ends before the scheduler starts (see
-benchmarks/batching.py).
+benchmarks/batching.py), and run the rest of the work on the model through `call`.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -70,18 +79,27 @@ _ADMITTED = object()  # first item of a request's queue once its prefill is done
 _END = object()  # last item: no more tokens
 
 
+WITHDRAWN = "the request was withdrawn before its turn"
+
+
+class RequestCancelled(Exception):
+    """Raised by the stream of a request withdrawn (`submit(cancelled=...)`) before its turn."""
+
+
 class _Request:
     """One submitted generation: its arguments, the channel to its consumer, and the worker's
     decoding state (touched by the worker thread only)."""
 
     def __init__(self, prompt, chunks, config: GenerationConfig, mode: str,
-                 positions: str | None, encode_missing: bool, recovery):
+                 positions: str | None, encode_missing: bool, recovery,
+                 cancelled: threading.Event | None = None):
         self.prompt, self.chunks, self.config, self.mode = prompt, chunks, config, mode
         self.positions, self.encode_missing, self.recovery = positions, encode_missing, recovery
         self.stats = GenerationStats(mode=mode)
         self.draft_stats = DraftStats() if config.draft else None
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # _ADMITTED, tokens, _END or an error
         self.cancelled = threading.Event()  # the consumer has closed its stream
+        self.withdrawn = cancelled  # the caller's event: set, it wants the request no more
         self.released = threading.Event()  # the worker holds nothing of it any more
         self.limit = 0
         self.cache = None
@@ -97,6 +115,10 @@ class _Request:
     @property
     def batched(self) -> bool:
         return self.solo is None
+
+    def dropped(self) -> bool:
+        """Whether nobody wants the request's tokens any more."""
+        return self.cancelled.is_set() or (self.withdrawn is not None and self.withdrawn.is_set())
 
     def tokens(self) -> Iterator[list[int]]:
         """What the consumer iterates: the tokens handed over so far, in batches."""
@@ -132,7 +154,10 @@ class BatchScheduler:
         # admission pays for faulting in a fresh buffer (≈0.1 s at 4K tokens).
         engine.cache_pool.keep = max(engine.cache_pool.keep, max_batch)
         self._waiting: deque[_Request] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[_Request] = []  # worker thread only
+        self.steps = 0  # batched decode steps run so far
+        self.rows = 0  # the sum of their batch sizes (rows / steps: the mean batch size)
         # The model's batched decoder, looked up at each admission (the lookup checks that the
         # fast path still supports the model, ≈2 ms for SmolLM2: too much for every step).
         self._decoder: BatchedDecoder | None = None
@@ -145,12 +170,30 @@ class BatchScheduler:
     def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
                positions: str | None = None, encode_missing: bool = False,
-               recovery=None) -> GenerationStream:
+               recovery=None, cancelled: threading.Event | None = None) -> GenerationStream:
         """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
-        joins the batch when the stream is first iterated."""
+        joins the batch when the stream is first iterated.
+
+        cancelled: an event that withdraws the request once set (from any thread): never
+        prefilled if it is still waiting (the stream raises `RequestCancelled`), out of the
+        batch at the next round if it is in."""
         config = config or GenerationConfig()
-        request = _Request(prompt, list(chunks), config, mode, positions, encode_missing, recovery)
+        request = _Request(prompt, list(chunks), config, mode, positions, encode_missing, recovery,
+                           cancelled)
         return GenerationStream(start=lambda: self._start(request))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the worker thread before the next round; the Future holds its result or
+        its exception. For work on the model other than decoding (encoding chunks, a warm-up),
+        which would slow the batch down on another thread (module docstring). Calls run in the
+        order they came; a call cancelled through its Future before it starts does not run."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch scheduler is closed")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
 
     @property
     def in_flight(self) -> int:
@@ -163,8 +206,8 @@ class BatchScheduler:
         return len(self._waiting)
 
     def close(self, timeout: float | None = None) -> None:
-        """Take no more requests; those submitted already run to their end, then the worker
-        stops (waits up to `timeout` seconds for that)."""
+        """Take no more requests or calls; those submitted already run to their end, then the
+        worker stops (waits up to `timeout` seconds for that)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -206,13 +249,27 @@ class BatchScheduler:
     def _serve(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._active and not self._closed:
+                while (not self._waiting and not self._active and not self._calls
+                       and not self._closed):
                     self._cond.wait()
-                if self._closed and not self._waiting and not self._active:
+                if self._closed and not self._waiting and not self._active and not self._calls:
                     return
+                calls = list(self._calls)
+                self._calls.clear()
+                withdrawn = [r for r in self._waiting if r.dropped()]
+                if withdrawn:
+                    self._waiting = deque(r for r in self._waiting if not r.dropped())
                 admit = []
                 while self._waiting and len(self._active) + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # the caller's; the worker keeps serving
+                        future.set_exception(exc)
+            for request in withdrawn:
+                self._retire(request, RequestCancelled(WITHDRAWN))
             try:
                 for request in admit:
                     self._admit(request)
@@ -228,6 +285,9 @@ class BatchScheduler:
         """Prefill `request` and hand over its first token; it joins the batch unless that
         token was its last. A failing prefill fails this request only."""
         engine, config = self.engine, request.config
+        if request.dropped():  # withdrawn during this round's calls
+            self._retire(request, RequestCancelled(WITHDRAWN))
+            return
         try:
             pre = self._prefill(request)
         except Exception as exc:
@@ -286,7 +346,7 @@ class BatchScheduler:
         """Hand over `request`'s next token (drawn from `logits`, or from its own decode loop);
         retire it and return False when it has no more."""
         try:
-            if request.cancelled.is_set():
+            if request.dropped():
                 token = None
             elif request.batched:
                 token = request.sampler(logits) if request.count < request.limit else None
@@ -316,6 +376,8 @@ class BatchScheduler:
             with torch.inference_mode():
                 logits = self._decoder.step([r.token for r in batch], [r.position for r in batch],
                                       [r.cache for r in batch])
+            self.steps += 1
+            self.rows += len(batch)
             for i, request in enumerate(batch):
                 request.position += 1
                 request.steps += 1
@@ -328,7 +390,7 @@ class BatchScheduler:
         self._active = keep
 
     def _retire_if_cancelled(self, request: _Request) -> bool:
-        if request.cancelled.is_set():
+        if request.dropped():
             self._retire(request)
             return True
         return False
