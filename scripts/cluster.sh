@@ -7,9 +7,12 @@
 #   bash scripts/cluster.sh down
 #
 # Ports: REDIS_PORT (6390), CHROMA_PORT (8300), first worker WORKER_PORT (8100, then +1 ...).
+# Workers: MAX_BATCH (requests decoded together, default 8), MAX_QUEUE (waiting requests before
+# a 429, default 64), MODE (turbo, or naive for the baseline); TURBORAG_API_KEY, when set, is
+# required by every worker's /v1/ endpoints.
 # Each worker keeps its own disk tier under .cluster/kv-<i>; blobs one worker encodes reach the
 # others through Redis. Needs redis-server (apt install redis-server) and the [server,redis]
-# extras. Nothing listens beyond 127.0.0.1: the servers have no authentication.
+# extras. Nothing listens beyond 127.0.0.1 (Redis and Chroma have no authentication).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=.cluster
@@ -17,6 +20,9 @@ PY=${PYTHON:-.venv/bin/python}
 REDIS_PORT=${REDIS_PORT:-6390}
 CHROMA_PORT=${CHROMA_PORT:-8300}
 WORKER_PORT=${WORKER_PORT:-8100}
+MAX_BATCH=${MAX_BATCH:-8}
+MAX_QUEUE=${MAX_QUEUE:-64}
+MODE=${MODE:-turbo}
 
 wait_for() {  # url, what
   for _ in $(seq 1 600); do
@@ -42,7 +48,8 @@ up() {
     port=$((WORKER_PORT + i))
     TURBORAG_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0" \
       "$PY" -m turborag_integrations.cli serve --host 127.0.0.1 --port "$port" \
-      --store "$RUN/kv-$i" > "$RUN/worker-$i.log" 2>&1 &
+      --store "$RUN/kv-$i" --max-batch "$MAX_BATCH" --max-queue "$MAX_QUEUE" --mode "$MODE" \
+      > "$RUN/worker-$i.log" 2>&1 &
     echo $! > "$RUN/worker-$i.pid"
   done
   for i in $(seq 0 $((n - 1))); do

@@ -259,21 +259,50 @@ def serve(
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
-                             "interface; the server has no authentication)"),
+                             "interface; set an API key then)"),
     port: int = typer.Option(8000),
     adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
                                 "for the bundled model) | none | a file"),
+    mode: str = typer.Option("turbo", help="turbo: reuse stored chunk KV caches | naive: prefill "
+                             "every prompt whole (the baseline to compare TTFT with)"),
+    max_batch: int = typer.Option(8, "--max-batch", min=1,
+                                  help="requests decoded together in one batched step"),
+    max_queue: int = typer.Option(64, "--max-queue", min=1,
+                                  help="requests that may wait for the model; more get HTTP 429"),
+    max_body_bytes: str = typer.Option("8MiB", "--max-body-bytes",
+                                       help="larger request bodies get HTTP 413: 8MiB, 1MB, "
+                                       "1048576"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TURBORAG_API_KEY",
+                                          show_default=False,
+                                          help="require `Authorization: Bearer KEY` on /v1/ "
+                                          "(prefer the env var: a command line is visible to "
+                                          "other users)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
-    whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks."""
+    whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
+    in flight are decoded together."""
     from .core.errors import TurboRAGError
+    from .core.settings import MODES
+    from .core.store import parse_size
 
+    if mode not in MODES:
+        _fail(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    try:
+        body_limit = parse_size(max_body_bytes)
+    except ValueError as exc:
+        _fail(f"--max-body-bytes: {exc}")
+    if body_limit < 1:
+        _fail("--max-body-bytes must be at least 1 byte")
+    if api_key is not None and not api_key:
+        _fail("--api-key is empty (is TURBORAG_API_KEY set to nothing?): give a key or none")
     try:
         from .server.app import serve as run_server
     except ImportError as exc:
         _fail(f"{exc}: the server needs pip install 'turborag-integrations[server]'")
     try:
-        run_server(model=model, store=store, host=host, port=port, adapter=adapter)
+        run_server(model=model, store=store, host=host, port=port, adapter=adapter, mode=mode,
+                   max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
+                   api_key=api_key)
     except TurboRAGError as exc:
         _fail(str(exc))
 

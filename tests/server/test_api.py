@@ -241,7 +241,9 @@ def test_a_prompt_longer_than_the_context_window(client, engine, model):
 def test_models_and_health(client, model):
     assert client.get("/v1/models").json()["data"][0]["id"] == model
     health = client.get("/health").json()
-    assert health["status"] == "ok" and health["queue_depth"] == 0 and not health["engine_busy"]
+    assert health["status"] == "ok" and health["mode"] == "turbo"
+    assert health["queue_depth"] == health["in_flight"] == 0
+    assert health["max_queue"] == 64 and health["max_batch"] == 8
 
 
 def test_metrics_in_prometheus_text_format(client, model, ingested):
@@ -255,7 +257,10 @@ def test_metrics_in_prometheus_text_format(client, model, ingested):
                          'status="200"}']) >= 1
     assert float(samples['turborag_requests_total{endpoint="other",status="404"}']) >= 1
     assert float(samples["turborag_requests_in_flight"]) == 1  # this request
-    assert float(samples["turborag_queue_depth"]) == 0
+    assert float(samples["turborag_queue_depth"]) == float(samples["turborag_batch_size"]) == 0
+    # the four-token answer above took three batched steps at least
+    assert float(samples["turborag_decode_rows_total"]) >= float(
+        samples["turborag_decode_steps_total"]) >= 3
     assert float(samples["turborag_ttft_seconds_count"]) >= 1
     assert samples['turborag_ttft_seconds_bucket{le="+Inf"}'] == samples[
         "turborag_ttft_seconds_count"]
@@ -263,5 +268,6 @@ def test_metrics_in_prometheus_text_format(client, model, ingested):
     assert 0 < float(samples["turborag_cache_hit_ratio"]) <= 1
     assert float(samples["turborag_reused_tokens_total"]) > 0
     assert float(samples["turborag_indexed_chunks"]) >= 2
-    for name in ("turborag_ttft_seconds", "turborag_requests_total", "turborag_queue_depth"):
+    for name in ("turborag_ttft_seconds", "turborag_requests_total", "turborag_queue_depth",
+                 "turborag_decode_steps_total"):
         assert any(line.startswith(f"# TYPE {name} ") for line in lines)

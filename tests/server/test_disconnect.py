@@ -1,5 +1,8 @@
-"""Several clients on a live server: one generation at a time, and a client that leaves cancels
-its generation at once and frees the engine for the next request."""
+"""Clients that leave a live server: a client that leaves mid-stream cancels its generation and
+frees its place in the batch at once; one that leaves while queued never reaches the model.
+
+The server here decodes one request at a time (max_batch=1), so that the next request can only
+start once the place is free."""
 
 import json
 import logging
@@ -19,8 +22,13 @@ LONG = 1500  # tokens: seconds of decoding; the answers never end early (conftes
 
 
 @pytest.fixture(scope="module")
-def base_url(engine):
-    with running(create_app(engine)) as url:
+def app(engine):
+    return create_app(engine, max_batch=1)
+
+
+@pytest.fixture(scope="module")
+def base_url(app):
+    with running(app) as url:
         yield url
 
 
@@ -65,11 +73,13 @@ def short_answer(base_url: str, engine) -> httpx.Response:
             "messages": [{"role": "user", "content": "And now?"}]})
 
 
-def test_a_client_that_leaves_mid_stream_cancels_its_generation(base_url, engine, caplog):
+def test_a_client_that_leaves_mid_stream_cancels_its_generation(app, base_url, engine, caplog):
     caplog.set_level(logging.INFO, logger="turborag.server")
     first = post_raw(base_url, long_answer(engine, "Tell me everything."))
     first_chunk(first)
     first.close()
+    scheduler = app.state.scheduler
+    wait_until(lambda: scheduler.in_flight == 0, "the place in the batch to be free", timeout=5)
 
     r = short_answer(base_url, engine)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -1,4 +1,7 @@
-"""`turborag serve`: its options reach the server, which loads the engine and runs uvicorn."""
+"""`turborag serve`: its options reach the server, which loads the engine on a thread of its own,
+warms it up on the batch scheduler's thread, and runs uvicorn."""
+
+import threading
 
 import uvicorn
 from fastapi import FastAPI
@@ -7,35 +10,61 @@ from typer.testing import CliRunner
 from turborag_integrations.cli import app as cli
 from turborag_integrations.server import app as server_app
 
+DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
+            "adapter": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
+            "max_body_bytes": 8 * 2**20, "api_key": None}
 
-def test_serve_defaults_to_the_bundled_model_default_store_and_loopback(monkeypatch):
+
+def test_serve_options_reach_the_server(monkeypatch):
     calls = []
     monkeypatch.setattr(server_app, "serve", lambda **kwargs: calls.append(kwargs))
-    result = CliRunner().invoke(cli, ["serve"])
+    monkeypatch.delenv("TURBORAG_API_KEY", raising=False)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["serve"])
     assert result.exit_code == 0, result.output
-    assert calls == [{"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
-                      "adapter": "default"}]
-    CliRunner().invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000"])
-    assert calls[1]["model"] == "m" and str(calls[1]["store"]) == "kv" and calls[1]["port"] == 9000
+    assert calls == [DEFAULTS]
+    result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
+                                 "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
+                                 "--max-body-bytes", "1MiB", "--api-key", "k1"])
+    assert result.exit_code == 0, result.output
+    assert {**calls[1], "store": str(calls[1]["store"])} == {
+        **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
+        "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1"}
+    result = runner.invoke(cli, ["serve"], env={"TURBORAG_API_KEY": "k2"})
+    assert result.exit_code == 0 and calls[2]["api_key"] == "k2"
 
 
-def test_serve_warms_the_engine_up_and_runs_the_app(monkeypatch, engine):
+def test_serve_refuses_bad_options(monkeypatch):
+    monkeypatch.setattr(server_app, "serve", lambda **kwargs: None)
+    runner = CliRunner()
+    for args, says in ((["--mode", "fast"], "--mode must be one of turbo, naive"),
+                       (["--max-body-bytes", "lots"], "--max-body-bytes: not a size"),
+                       (["--max-body-bytes", "0"], "at least 1 byte"),
+                       (["--api-key", ""], "--api-key is empty")):
+        result = runner.invoke(cli, ["serve", *args])
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+    for args in (["--max-batch", "0"], ["--max-queue", "0"]):
+        assert runner.invoke(cli, ["serve", *args]).exit_code == 2
+
+
+def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    class Engine:
-        def __init__(self, model, *, store, adapter):
-            made.append((model, store, adapter))
+    def load(model, *, store, adapter):
+        made.append((model, store, adapter, threading.current_thread()))
+        return engine
 
-        def __enter__(self):
-            return engine
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(server_app, "TurboRAGEngine", Engine)
-    monkeypatch.setattr(engine, "warmup", lambda: ran.append("warmup"))
+    monkeypatch.setattr(server_app, "TurboRAGEngine", load)
+    monkeypatch.setattr(engine, "close", lambda: ran.append("close"))  # the fixture's engine
+    monkeypatch.setattr(engine, "warmup", lambda: ran.append(threading.current_thread().name))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.append((app, kwargs)))
-    server_app.serve(model="m", store="kv", port=9000)
-    assert made == [("m", "kv", "default")]
-    assert ran[0] == "warmup" and isinstance(ran[1][0], FastAPI)
-    assert ran[1][1]["host"] == "127.0.0.1" and ran[1][1]["port"] == 9000
+    server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k")
+    (model, store, adapter, loader), = made
+    assert (model, store, adapter) == ("m", "kv", "default")
+    assert loader is not threading.current_thread() and not loader.is_alive()
+    assert ran[0] == "turborag-batch"  # warmed up on the scheduler's thread
+    app, kwargs = ran[1]
+    assert isinstance(app, FastAPI) and app.state.scheduler.max_batch == 3
+    assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 9000
+    assert ran[2] == "close"
+    app.state.scheduler.close()  # uvicorn did not run the app's shutdown

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI's completion endpoints over a TurboRAGEngine, plus chunk ingestion,
 health and metrics.
 
-    app = create_app(engine)              # or: turborag serve --model ... --store ...
+    app = create_app(engine, max_batch=8)  # or: turborag serve --model ... --store ...
 
     POST /v1/chat/completions, /v1/completions    OpenAI's bodies; "stream": true for SSE
     POST /v1/turborag/chunks                      {"texts": [...]}: encode blobs, index texts
@@ -9,32 +9,41 @@ health and metrics.
 
 A prompt reuses the stored blob of every indexed chunk text it contains verbatim, with nothing
 added to the request (finder.py says how they are found); `turborag_chunks` in a request names
-more. Errors come as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+more. Completions are decoded together by a `BatchScheduler` (core/batching.py) that owns the
+model. Errors come as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.batching import BatchScheduler
 from ..core.engine import TurboRAGEngine
 from ..core.registry import ChunkRegistry
+from ..core.settings import MODES, check_choice
 from .finder import ChunkFinder
+from .guards import LimitBody, RequireKey
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import APIError, Reply
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from .service import Service
-from .worker import Worker
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/turborag/chunks", "/v1/models",
              "/health", "/metrics")
+MAX_BATCH = 8
+MAX_QUEUE = 64
+MAX_BODY_BYTES = 8 * 2**20  # 8 MiB: a 32K-token prompt is ≈128 KB; ingestion batches are larger
 
 
 def param_name(loc: tuple) -> str | None:
@@ -72,33 +81,54 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
-               model_name: str | None = None, default_max_tokens: int | None = None) -> FastAPI:
+               model_name: str | None = None, default_max_tokens: int | None = None,
+               mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     """The server over `engine`.
 
     registry: where adapters in this process record chunk texts, followed by the server's
     lookup (default: the engine's own, `ChunkRegistry.for_engine`). model_name: the name
     clients must send as `model` (default: the engine's model). default_max_tokens: the limit
-    of a chat completion that sets none (default: the rest of the context window).
+    of a chat completion that sets none (default: the rest of the context window). mode:
+    "turbo", or "naive" to prefill every prompt whole (no reuse: the baseline), for requests
+    that do not set `turborag_mode`. max_batch: requests decoded together. max_queue: requests
+    that may wait for the model; more get a 429. max_body_bytes: larger bodies get a 413.
+    api_key: when set, every /v1/ request must send `Authorization: Bearer <api_key>`.
 
-    The app runs one engine call at a time; two apps over one engine would not know of each
-    other's calls, so serve an engine from one app.
+    The app's `BatchScheduler` (`app.state.scheduler`) owns the model from now on and stops
+    when the app shuts down: run nothing else on the engine meanwhile (`scheduler.call` runs a
+    function on its thread), and serve an engine from one app.
     """
+    check_choice("mode", mode, MODES)
+    for name, value in (("max_batch", max_batch), ("max_queue", max_queue),
+                        ("max_body_bytes", max_body_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, not {value}")
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty: pass a key, or None to serve without one")
     finder = ChunkFinder(registry if registry is not None else ChunkRegistry.for_engine(engine))
-    worker = Worker()
-    metrics = Metrics(queue_depth=lambda: worker.waiting, engine_busy=lambda: int(worker.busy),
+    scheduler = BatchScheduler(engine, max_batch=max_batch)
+    metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
+                      decode_steps=lambda: scheduler.steps, decode_rows=lambda: scheduler.rows,
                       indexed_chunks=lambda: len(finder))
-    service = Service(engine, finder, worker, metrics, model_name=model_name or engine.loaded.name,
-                      default_max_tokens=default_max_tokens)
+    service = Service(engine, finder, scheduler, metrics,
+                      model_name=model_name or engine.loaded.name,
+                      default_max_tokens=default_max_tokens, mode=mode, max_queue=max_queue)
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        worker.close()
+        await asyncio.to_thread(scheduler.close, 60)  # answers under way end first
 
     app = FastAPI(title="TurboRAG", summary="OpenAI-compatible completions that reuse chunk KV "
                   "caches", lifespan=lifespan)
     app.state.service = service
+    app.state.scheduler = scheduler
+    # Outermost last: count every request, then check its key, then its size.
+    app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
@@ -111,10 +141,8 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        response = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                            code=str(exc.status_code)).response()
-        response.headers.update(exc.headers or {})
-        return response
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                        code=str(exc.status_code), headers=exc.headers).response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -144,8 +172,10 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_name, "queue_depth": worker.waiting,
-                "engine_busy": worker.busy, "indexed_chunks": len(finder)}
+        return {"status": "ok", "model": service.model_name, "mode": service.mode,
+                "queue_depth": service.waiting, "max_queue": service.max_queue,
+                "in_flight": scheduler.in_flight, "max_batch": scheduler.max_batch,
+                "indexed_chunks": len(finder)}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -154,13 +184,44 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     return app
 
 
+T = TypeVar("T")
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread that ends when it returns: torch work done there leaves no OpenMP thread
+    pool behind to compete with the scheduler's (core/batching.py)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised on the calling thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="turborag-load")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def serve(*, model: str | None = None, store: str | Path | None = None,
-          host: str = "127.0.0.1", port: int = 8000, adapter: str | None = "default") -> None:
-    """Load the engine, warm it up, and serve it with uvicorn until interrupted."""
+          host: str = "127.0.0.1", port: int = 8000, adapter: str | None = "default",
+          mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
+    """Load the engine, warm it up, and serve it with uvicorn until interrupted.
+
+    The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
+    the scheduler's thread is the only one that runs torch (the event loop's never does).
+    """
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         datefmt="%H:%M:%S")
-    with TurboRAGEngine(model, store=store, adapter=adapter) as engine:
-        engine.warmup()
-        uvicorn.run(create_app(engine), host=host, port=port, log_level="info")
+    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter))
+    with engine:
+        app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
+                         max_body_bytes=max_body_bytes, api_key=api_key)
+        app.state.scheduler.call(engine.warmup).result()
+        uvicorn.run(app, host=host, port=port, log_level="info")

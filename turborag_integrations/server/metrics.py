@@ -5,9 +5,10 @@ keeps its own figures (a process-wide registry would mix two apps in one process
 
     turborag_requests_total{endpoint,status}     requests answered, by path and HTTP status
     turborag_requests_in_flight                  requests being answered now (streams included)
-    turborag_queue_depth                         requests waiting for the engine
-    turborag_engine_busy                         1 while the engine runs a request
-    turborag_ttft_seconds                        histogram: call to first token, per generation
+    turborag_queue_depth                         requests waiting for the model (429 past the limit)
+    turborag_batch_size                          requests being decoded together now
+    turborag_decode_steps_total, _rows_total     batched decode steps, and the requests they served
+    turborag_ttft_seconds                        histogram: submission to first token, per generation
     turborag_decode_tokens_per_second            histogram: decode speed, per generation
     turborag_generations_total{finish_reason}    stop, length, or cancelled (the client left)
     turborag_cache_hits_total, _misses_total     chunk blobs found / not found for chunks in prompts
@@ -64,13 +65,14 @@ class Counter:
 
 
 class Gauge:
-    """A value read when the metrics are rendered."""
+    """A value read when the metrics are rendered (kind "counter": one that only grows, kept
+    elsewhere)."""
 
-    def __init__(self, name: str, help: str, read: Callable[[], float]):
-        self.name, self.help, self.read = name, help, read
+    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge"):
+        self.name, self.help, self.read, self.kind = name, help, read, kind
 
     def lines(self) -> Iterator[str]:
-        yield from _header(self.name, self.help, "gauge")
+        yield from _header(self.name, self.help, self.kind)
         yield f"{self.name} {_number(self.read())}"
 
 
@@ -100,7 +102,8 @@ class Histogram:
 class Metrics:
     """The figures of one app; safe to update from the event loop and the worker thread."""
 
-    def __init__(self, *, queue_depth: Callable[[], float], engine_busy: Callable[[], float],
+    def __init__(self, *, queue_depth: Callable[[], float], batch_size: Callable[[], float],
+                 decode_steps: Callable[[], float], decode_rows: Callable[[], float],
                  indexed_chunks: Callable[[], float]):
         self._lock = threading.Lock()
         self.in_flight = 0
@@ -108,8 +111,9 @@ class Metrics:
                                 ("endpoint", "status"))
         self.generations = Counter("turborag_generations_total", "Generations, by how they "
                                    "ended (cancelled: the client left).", ("finish_reason",))
-        self.ttft = Histogram("turborag_ttft_seconds", "Time from the engine call to the first "
-                              "token (queueing not included).", TTFT_BUCKETS)
+        self.ttft = Histogram("turborag_ttft_seconds", "Time from the submission to the batch "
+                              "scheduler to the first token (the wait for a place in the batch "
+                              "included; the chunk lookup not).", TTFT_BUCKETS)
         self.decode_rate = Histogram("turborag_decode_tokens_per_second", "Decode speed of a "
                                      "generation (tokens after the first, per second).",
                                      RATE_BUCKETS)
@@ -122,8 +126,13 @@ class Metrics:
         self.gauges = [
             Gauge("turborag_requests_in_flight", "Requests being answered now.",
                   lambda: self.in_flight),
-            Gauge("turborag_queue_depth", "Requests waiting for the engine.", queue_depth),
-            Gauge("turborag_engine_busy", "1 while the engine runs a request.", engine_busy),
+            Gauge("turborag_queue_depth", "Requests waiting for the model (their first token, or "
+                  "the end of an ingestion).", queue_depth),
+            Gauge("turborag_batch_size", "Requests being decoded together now.", batch_size),
+            Gauge("turborag_decode_steps_total", "Batched decode steps run.", decode_steps,
+                  kind="counter"),
+            Gauge("turborag_decode_rows_total", "Requests served by the batched decode steps "
+                  "(rows / steps: the mean batch size).", decode_rows, kind="counter"),
             Gauge("turborag_cache_hit_ratio", "Chunk blobs found / chunks looked up, so far.",
                   self._hit_ratio),
             Gauge("turborag_indexed_chunks", "Chunk texts the server looks for in prompts.",

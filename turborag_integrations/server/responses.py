@@ -28,10 +28,12 @@ class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+        self.headers = headers or {}
 
     @classmethod
     def of(cls, exc: BaseException) -> "APIError":
@@ -43,7 +45,7 @@ class APIError(Exception):
         return cls(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
 def usage(stats: GenerationStats) -> dict:

@@ -40,6 +40,9 @@ class CompletionParams(BaseModel):
     turborag_chunks: list[str] | None = None
     """Chunk texts to reuse besides those found in the prompt by content; those without a blob
     yet are encoded (and indexed for later requests) before the prompt is prefilled."""
+    turborag_mode: Literal["turbo", "naive"] | None = None
+    """"naive" prefills this prompt whole, reusing nothing (the baseline to compare with);
+    unset: the server's mode (`turborag serve --mode`)."""
 
     @property
     def token_limit(self) -> int | None:

@@ -1,47 +1,76 @@
 """What the endpoints do with the engine: answer a prompt (whole or streamed), ingest chunks.
 
-Every engine call runs as a job on the worker (worker.py), one at a time. A request waits for its
-job's first event before it answers, so that an error while prefilling (a prompt too long for
-the context window) is still an HTTP error and not a broken stream; while it waits it checks
-that its client is still there, so a client that leaves while queued costs no prefill.
+All work on the model runs on the batch scheduler's thread (core/batching.py): answers are
+submitted to the scheduler and decoded together with the others in flight; finding a prompt's
+chunks, encoding the chunks a request names, and ingestion run there as calls between two
+decoding rounds. Each request waits for its work as a job on a thread of its own (jobs.py).
+
+A request waits for its first event before it answers, so that an error while prefilling (a
+prompt too long for the context window) is still an HTTP error and not a broken stream; while it
+waits it checks that its client is still there, so a client that leaves while queued costs no
+prefill. At most `max_queue` requests wait so (from their arrival to their first token, or to the
+end of an ingestion); the next is refused with a 429 and a Retry-After header.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import AsyncIterator
+from contextlib import contextmanager
+from typing import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from ..core.batching import BatchScheduler, RequestCancelled
 from ..core.engine import TurboRAGEngine
 from ..core.settings import GenerationConfig
 from .finder import ChunkFinder
+from .jobs import Event, Job
 from .metrics import Metrics
 from .responses import APIError, EventStream, Reply, sse
 from .schemas import ChunksRequest, CompletionParams
-from .worker import Event, Job, Worker
 
 log = logging.getLogger("turborag.server")
 
 # The status a request gets counted with when its client left before the answer (nginx's).
 CLIENT_GONE = 499
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 
 
 class Service:
-    def __init__(self, engine: TurboRAGEngine, finder: ChunkFinder, worker: Worker,
-                 metrics: Metrics, *, model_name: str, default_max_tokens: int | None = None):
+    def __init__(self, engine: TurboRAGEngine, finder: ChunkFinder, scheduler: BatchScheduler,
+                 metrics: Metrics, *, model_name: str, default_max_tokens: int | None = None,
+                 mode: str = "turbo", max_queue: int = 64):
         """default_max_tokens: the limit of a chat completion that sets none; None lets it run
-        to the end of the context window, as OpenAI's chat models do."""
+        to the end of the context window, as OpenAI's chat models do. mode: "turbo" (reuse the
+        chunks' blobs) or "naive" (prefill every prompt whole: the baseline to compare with),
+        for requests that do not set `turborag_mode`. max_queue: how many requests may wait."""
         self.engine = engine
         self.finder = finder
-        self.worker = worker
+        self.scheduler = scheduler
         self.metrics = metrics
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.mode = mode
+        self.max_queue = max_queue
+        self.waiting = 0  # requests waiting for the model (touched on the event loop only)
+
+    @contextmanager
+    def _queued(self) -> Iterator[None]:
+        """A place among the requests waiting for the model, or a 429 when they are full."""
+        if self.waiting >= self.max_queue:
+            raise APIError(429, f"the server is busy: {self.waiting} requests are waiting for the "
+                           f"model already (at most {self.max_queue}); retry in {RETRY_AFTER_S} s",
+                           type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
 
     # ---- completions ---------------------------------------------------------------------
     def check(self, req: CompletionParams) -> None:
@@ -70,9 +99,11 @@ class Service:
                        reply: Reply) -> Response:
         """Answer `prompt`: a JSON body, or server-sent events when `req.stream`."""
         config = self.generation_config(req)
-        named = list(dict.fromkeys(req.turborag_chunks or ()))
-        job = self.worker.submit(lambda job: self._generate(job, prompt, named, config, reply.id))
-        event = await job.next(request)
+        mode = req.turborag_mode or self.mode
+        named = list(dict.fromkeys(req.turborag_chunks or ())) if mode == "turbo" else []
+        with self._queued():
+            job = Job(lambda job: self._generate(job, prompt, named, config, mode, reply.id))
+            event = await job.next(request)
         if event is None:
             return Response(status_code=CLIENT_GONE)
         if event[0] == "error":
@@ -102,30 +133,45 @@ class Service:
         yield sse("[DONE]")
 
     def _generate(self, job: Job, prompt: str, named: list[str], config: GenerationConfig,
-                  label: str) -> None:
-        """On the worker thread: find the chunks, generate, post deltas; stop if cancelled."""
-        if named:
-            self.engine.prepare_chunks(named, warm=False)  # encode those with no blob yet
-            self.finder.add(named)
-        started = time.perf_counter()
-        chunks = list(dict.fromkeys([*self.finder.find(prompt), *named]))
-        lookup_s = time.perf_counter() - started
-        stream = self.engine.stream(prompt, chunks=chunks, config=config)
+                  mode: str, label: str) -> None:
+        """On the job's thread: find the chunks, then post the answer's deltas as the scheduler
+        decodes them; stop when the job is cancelled."""
+        chunks, lookup_s = [], 0.0
+        if mode == "turbo":
+            chunks, lookup_s = self.scheduler.call(lambda: self._chunks_in(prompt, named)).result()
+        if job.cancelled.is_set():  # the client left during the lookup
+            return
+        stream = self.scheduler.submit(prompt, chunks=chunks, config=config, mode=mode,
+                                       cancelled=job.cancelled)
         try:
             for delta in stream:
                 if job.cancelled.is_set():
                     break
                 job.post("delta", delta)
+        except RequestCancelled:  # the client left while the request waited for its turn
+            return
         finally:
-            stream.close()  # no-op once it has run to its end; else stops decoding now
+            stream.close()  # no-op once it has run to its end; else it leaves the batch now
             result = stream.result
             if result is not None:  # None: the prefill failed (the error is posted)
+                if job.cancelled.is_set():  # the scheduler may have ended it first
+                    result.stats.finish_reason = "cancelled"
                 result.stats.extra["chunk_lookup_s"] = lookup_s
                 self.metrics.generation(result.stats)
                 log.info("%s: %s after %d tokens (%d of %d prompt tokens reused)", label,
                          result.stats.finish_reason, result.stats.new_tokens,
                          result.stats.reused_tokens, result.stats.prompt_tokens)
         job.post("done", result)
+
+    def _chunks_in(self, prompt: str, named: list[str]) -> tuple[list[str], float]:
+        """On the scheduler's thread: encode the named chunks that have no blob yet, then the
+        chunks to reuse (those found in the prompt, and the named ones) and the lookup's time."""
+        if named:
+            self.engine.prepare_chunks(named, warm=False)
+            self.finder.add(named)
+        started = time.perf_counter()
+        found = self.finder.find(prompt)
+        return list(dict.fromkeys([*found, *named])), time.perf_counter() - started
 
     # ---- ingestion -----------------------------------------------------------------------
     async def ingest(self, request: Request, req: ChunksRequest) -> Response:
@@ -134,11 +180,23 @@ class Service:
             raise APIError(400, "every text must hold more than white space", param="texts")
 
         def encode(job: Job) -> None:
-            doc_ids = [req.doc_id] * len(req.texts) if req.doc_id else None
-            keys = self.engine.encode_chunks(req.texts, doc_ids=doc_ids)
-            job.post("done", {"keys": keys, "indexed": self.finder.add(req.texts)})
+            # One encoder batch per call: the requests in flight decode between two batches.
+            step = self.engine.encoder.batch_size
+            keys, indexed = [], 0
+            for start in range(0, len(req.texts), step):
+                if job.cancelled.is_set():
+                    return
+                texts = req.texts[start:start + step]
+                doc_ids = [req.doc_id] * len(texts) if req.doc_id else None
+                done = self.scheduler.call(lambda texts=texts, doc_ids=doc_ids: (
+                    self.engine.encode_chunks(texts, doc_ids=doc_ids), self.finder.add(texts)))
+                part, added = done.result()
+                keys += part
+                indexed += added
+            job.post("done", {"keys": keys, "indexed": indexed})
 
-        event = await self.worker.submit(encode).next(request)
+        with self._queued():
+            event = await Job(encode).next(request)
         if event is None:
             return Response(status_code=CLIENT_GONE)
         if event[0] == "error":
