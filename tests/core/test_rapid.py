@@ -344,11 +344,17 @@ def test_context_longer_than_target_window_fails_before_compute(target):
     calls = []
     handle = target.model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
-        with pytest.raises(ContextWindowError, match="context window 2048"):
+        with pytest.raises(ContextWindowError) as err:
             rapid.generate("word " * 600, QUESTION, chunks=[])
     finally:
         handle.remove()
     assert calls == []
+    prefix, suffix = rapid.render(target, "word " * 600, QUESTION)
+    length = sum(len(target.tokenizer(t, add_special_tokens=False)["input_ids"])
+                 for t in (prefix, suffix))
+    # both lengths: the prompt's and the target's window
+    assert f"the prompt is {length} tokens" in str(err.value)
+    assert "context window 2048" in str(err.value)
 
 
 def test_bad_parameters(target):
@@ -358,6 +364,16 @@ def test_bad_parameters(target):
         RapidEngine(target, eta=-1)
     with pytest.raises(ValueError):
         RapidEngine(target, residual="nope")
+    for eta in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eta must be"):
+            RapidEngine(target, eta=eta)
+    for p in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="min_draft_prob"):
+            RapidEngine(target, min_draft_prob=p)
+    with pytest.raises(ValueError, match="drafter_quantize"):
+        RapidEngine(target, drafter_quantize="int4")
+    with pytest.raises(ValueError, match="min_drafter_tokens"):
+        RapidEngine(target, min_drafter_tokens=-1)
 
 
 def test_streaming_and_stop_strings(target):
@@ -376,7 +392,7 @@ def test_streaming_and_stop_strings(target):
 
 def test_per_call_settings_are_validated_before_any_compute(target):
     rapid = RapidEngine(target)
-    for kwargs in ({"gamma": 0}, {"eta": -0.5}, {"eta": float("nan")}):
+    for kwargs in ({"gamma": 0}, {"eta": -0.5}, {"eta": float("nan")}, {"eta": float("inf")}):
         with pytest.raises(ValueError):
             rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], **kwargs)
 
@@ -409,3 +425,133 @@ def test_given_chunks_reach_the_drafter_in_document_order(target):
     assert shuffled.token_ids == ordered.token_ids
     assert shuffled.stats.accepted == ordered.stats.accepted
     assert shuffled.stats.drafter_prompt_tokens == ordered.stats.drafter_prompt_tokens
+
+
+# ---- speed switches: a cheaper drafter, adaptive draft length, the reference context ----------
+
+def test_int8_drafter_keeps_eta0_lossless(pair):
+    from turborag_integrations.core.decode.fast import FastDecoder, int8_available
+
+    if not int8_available():
+        pytest.skip("no int8 dynamic quantisation in this torch build")
+    t, d = pair
+    rapid = RapidEngine(t, d, gamma=4, drafter_quantize="int8")
+    out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
+                         config=GenerationConfig(max_new_tokens=40))
+    assert out.token_ids == reference(rapid, 40)
+    assert out.stats.drafted > 0 and out.stats.draft_steps > 0
+    # the drafter stepped on its int8 copy; the target has no reduced-precision decoder
+    from turborag_integrations.core.decode import fast
+
+    assert any(k[0] == "int8" for k in fast._decoders[d.model])
+    assert all(k[0] is None for k in fast._decoders.get(t.model, {}))
+    FastDecoder.forget(d.model)
+
+
+def test_sampled_int8_drafter_runs_and_fp32_target_decides(pair):
+    t, d = pair
+    rapid = RapidEngine(t, d, gamma=3, drafter_quantize="int8")
+    config = GenerationConfig(max_new_tokens=20, temperature=0.8, seed=3)
+    a = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    b = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0  # seeded: repeatable
+
+
+def test_adaptive_draft_length_stops_early_and_stays_lossless(pair):
+    t, d = pair
+    fixed = RapidEngine(t, d, gamma=8)
+    adaptive = RapidEngine(t, d, gamma=8, min_draft_prob=0.9)
+    config = GenerationConfig(max_new_tokens=40)
+    a = fixed.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    b = adaptive.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert a.token_ids == b.token_ids == reference(fixed, 40)
+    # a random drafter is rarely 90% sure: rounds end before γ drafts
+    assert b.stats.drafted < 8 * b.stats.rounds
+    assert b.stats.drafted >= b.stats.rounds  # at least one draft per round
+    assert a.stats.drafted > b.stats.drafted
+
+
+def test_round_costs_are_measured(pair):
+    t, d = pair
+    out = RapidEngine(t, d, gamma=4).generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
+                                              config=GenerationConfig(max_new_tokens=24))
+    s = out.stats
+    assert s.rounds > 0 and s.draft_steps >= s.rounds
+    assert s.draft_s > 0 and s.verify_s > 0
+    assert s.draft_step_ms == 1e3 * s.draft_s / s.draft_steps
+    assert s.verify_ms == 1e3 * s.verify_s / s.rounds
+    assert {"draft_step_ms", "verify_ms"} <= set(s.as_dict())
+
+
+def test_reference_context_preset(target):
+    from turborag_integrations.core.rapid import REFERENCE_CONTEXT
+
+    rapid = RapidEngine.reference(target, gamma=3)
+    assert rapid.chunk_tokens == 128 and rapid.gamma == 3
+    assert REFERENCE_CONTEXT["chunk_tokens"] == 128
+    # max(|C| / 32, 4096), never more than the context itself
+    assert rapid.drafter_budget(100_000) == 4096
+    assert rapid.drafter_budget(262_144) == 8192
+    assert rapid.drafter_budget(1_000) == 1_000
+    # the defaults: min(4096, |C| / 4)
+    default = RapidEngine(target)
+    assert default.drafter_budget(8_000) == 2_000
+    assert default.drafter_budget(100_000) == 4096
+    # no threshold: the whole (short) context fits, in document order
+    ctx = rapid.drafter_context(CONTEXT, "Which company fires tiles?")
+    positions = [CONTEXT.index(c) for c in ctx.chunks]
+    assert positions == sorted(positions)
+    assert ctx.tokens == sum(len(target.tokenizer(c, add_special_tokens=False)["input_ids"])
+                             for c in ctx.chunks)
+    assert ctx.retrieved == ctx.candidates and len(ctx.chunks) == ctx.candidates
+    out = rapid.generate(CONTEXT, QUESTION, config=GenerationConfig(max_new_tokens=16))
+    assert out.token_ids == reference(rapid, 16)
+
+
+def test_changed_chunk_size_is_not_served_stale_chunks(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
+    rapid = RapidEngine(engine, chunk_tokens=80, threshold=-1.0, compression=1.0)
+    big = rapid.drafter_context(CONTEXT, QUESTION).candidates
+    rapid.chunk_tokens = 40
+    small = rapid.drafter_context(CONTEXT, QUESTION).candidates
+    assert small > big
+
+
+def test_drafter_prefix_cache_for_a_full_context_drafter(pair):
+    """cached_prefill/save_prefix work for the drafter too (naive speculative decoding)."""
+    t, d = pair
+    rapid = RapidEngine(t, d)
+    prefix, suffix = rapid.render(d, CONTEXT, QUESTION)
+    pre, key, hit = rapid.cached_prefill(d, prefix, suffix, 8)
+    assert not hit
+    ids = d.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    rapid.save_prefix(d, key, pre.cache, ids)
+    again, key2, hit2 = rapid.cached_prefill(d, prefix, suffix, 8)
+    assert hit2 and key2 == key and again.plan.reused_tokens == len(ids)
+    torch.testing.assert_close(again.logits, pre.logits, atol=1e-4, rtol=0)
+    assert rapid._prefix is None  # only the target's prefix is kept in memory
+    d.cache_pool.release(pre.cache)
+    d.cache_pool.release(again.cache)
+
+
+def test_verification_product_is_chosen_apart_from_the_step(tiny_llama):
+    """rows_matmul (several tokens of one sequence) follows an explicit matmul, is timed under
+    "auto", and a forward through it equals one-token steps up to rounding."""
+    from turborag_integrations.core.decode.fast import FastDecoder
+
+    model = tiny_llama.model
+    for mode in ("linear", "gemm"):
+        fast = FastDecoder(model, matmul=mode)
+        assert fast.matmul == fast.rows_matmul == mode
+    auto = FastDecoder(model, matmul="auto")
+    assert auto.rows_matmul in ("linear", "gemm") and auto.matmul in ("linear", "gemm")
+    auto.rows_matmul, auto.matmul = "gemm", "linear"  # the mix the pair measured
+    ids = list(range(10, 40))
+    feed = [3, 9, 27, 81]
+    caches = [KVCache.empty(model, 64) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            model(input_ids=torch.tensor([ids]), cache=c, use_cache=True)
+        together = auto.forward(feed, len(ids), caches[0])
+        apart = torch.stack([auto.step(t, len(ids) + i, caches[1]) for i, t in enumerate(feed)])
+    torch.testing.assert_close(together, apart, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,12 @@ How a Linear layer is applied (`matmul`):
   from stock in the last bits (≤1e-5 relative; greedy tokens equal in the tests).
 - "auto" (default): whichever of the two is faster on the model's lm_head, timed once per model.
 `forward(tokens)` feeds several tokens in one pass (verification of drafts): they attend to the
-cache and causally to each other through RAPID's split attention, without a mask.
+cache and causally to each other through RAPID's split attention, without a mask. Its Linear
+layers have their own choice (`rows_matmul`; "auto" times both on the lm_head with a few rows):
+PyTorch's few-row fp32 product runs far below the machine's arithmetic rate on the AVX2 CPUs
+measured, so on Qwen2.5-1.5B a 5-token forward cost ≈2.5 one-token steps with F.linear (1
+thread) and "gemm" computes it in about half the time of F.linear on the lm_head. Either way
+the result differs from one-token steps only in the last bits.
 
 Optionally the Linear layers (lm_head included; `skip` leaves parts such as "lm_head" in full
 precision) run on reduced-precision copies, built once per model:
@@ -145,6 +150,7 @@ class _Bf16Linear(torch.nn.Module):
 
 
 MATMUL_MODES = ("auto", "linear", "gemm")
+VERIFY_ROWS = 5  # a typical verification: the pending token and 4 drafts
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,16 +171,16 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _pick_matmul(weight: torch.Tensor) -> str:
-    """"gemm" where it is clearly faster than F.linear for one row on this machine, else
-    "linear"; timed once on the model's largest weight. On accelerators (where the one-row
+def _pick_matmul(weight: torch.Tensor, rows: int = 1) -> str:
+    """"gemm" where it is clearly faster than F.linear for `rows` rows on this machine, else
+    "linear"; timed once on the model's largest weight. On accelerators (where the few-row
     path is not the bottleneck and timing needs synchronisation) always "linear"."""
     import time
 
     if weight.device.type != "cpu":
         return "linear"
 
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
 
     def best(fn) -> float:
         fn()
@@ -189,8 +195,8 @@ def _pick_matmul(weight: torch.Tensor) -> str:
         t_linear = best(lambda: F.linear(x, weight))
         t_gemm = best(lambda: gemm(x, weight))
     choice = "gemm" if t_gemm < 0.9 * t_linear else "linear"
-    log.debug("decode matmul: %s (linear %.2f ms, gemm %.2f ms)", choice, t_linear * 1e3,
-              t_gemm * 1e3)
+    log.debug("decode matmul, %d row(s): %s (linear %.2f ms, gemm %.2f ms)", rows, choice,
+              t_linear * 1e3, t_gemm * 1e3)
     return choice
 
 
@@ -217,9 +223,13 @@ class FastDecoder:
                 raise ValueError(f"{quantize} decoding needs a float32 model on CPU")
         self.model = model
         self.quantize = quantize
+        # one row (decode steps) and several rows of one sequence (verification forwards)
+        # are timed apart: which product is faster differs between the two
+        head = (model.lm_head.weight.detach() if quantize != "bf16"
+                else model.lm_head.weight.detach().to(torch.bfloat16))
+        self.rows_matmul = _pick_matmul(head, VERIFY_ROWS) if matmul == "auto" else matmul
         if matmul == "auto":
-            matmul = _pick_matmul(model.lm_head.weight.detach() if quantize != "bf16"
-                                  else model.lm_head.weight.detach().to(torch.bfloat16))
+            matmul = _pick_matmul(head)
         self.matmul = matmul
         config = model.config
         inner = model.model
@@ -247,7 +257,7 @@ class FastDecoder:
             entry.gate, entry.up, entry.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
             entry.qkv = entry.gate_up = None
             make = _int8_linear if quantize == "int8" else \
-                (lambda w, b: _Bf16Linear(w, b, matmul))
+                (lambda w, b: _Bf16Linear(w, b, self.matmul))
             if "qkv" in q8:
                 entry.qkv = make([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                  [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
@@ -268,7 +278,8 @@ class FastDecoder:
         if quantize is not None and "lm_head" not in skip:
             self.lm_head = (_int8_linear([model.lm_head.weight], [model.lm_head.bias])
                             if quantize == "int8" else
-                            _Bf16Linear([model.lm_head.weight], [model.lm_head.bias], matmul))
+                            _Bf16Linear([model.lm_head.weight], [model.lm_head.bias],
+                                        self.matmul))
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
         self.intermediate = inner.layers[0].mlp.gate_proj.out_features
@@ -311,9 +322,9 @@ class FastDecoder:
             _decoders.pop(model, None)
 
     # ---- steps ------------------------------------------------------------------------------
-    def _apply(self, x, module):
+    def _apply(self, x, module, matmul: str | None = None):
         if type(module) is torch.nn.Linear:
-            if self.matmul == "gemm":
+            if (matmul or self.matmul) == "gemm":
                 return gemm(x, module.weight, module.bias)
             return F.linear(x, module.weight, module.bias)
         return module(x)  # an int8 dynamic-quantised or bf16 Linear
@@ -356,7 +367,11 @@ class FastDecoder:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         split_qkv = (self.q_size, self.kv_size, self.kv_size)
         split_mlp = (self.intermediate, self.intermediate)
-        apply = self._apply
+        if n > 1 and self.rows_matmul != self.matmul:  # several tokens of one sequence
+            def apply(x, module, _matmul=self.rows_matmul):
+                return self._apply(x, module, _matmul)
+        else:
+            apply = self._apply
         for L in self.layers:
             residual = h
             x = L.ln1(h)
@@ -387,7 +402,8 @@ class FastDecoder:
 
     def forward(self, tokens: Sequence[int], position: int, cache) -> torch.Tensor:
         """Logits [k, vocab] after each of `tokens` fed from `position` (a verification)."""
-        return self._apply(self.hidden(tokens, position, cache), self.lm_head)[0]
+        matmul = self.rows_matmul if len(tokens) > 1 else self.matmul
+        return self._apply(self.hidden(tokens, position, cache), self.lm_head, matmul)[0]
 
 
 def stock_step(model, token: int, position: int, cache) -> torch.Tensor:

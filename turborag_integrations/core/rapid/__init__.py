@@ -10,11 +10,11 @@ from ..decode.sampling import (TAIL_RATIO, AcceptRule, Verdict, accept_drafts, a
                                first_token, residual_probs)
 from ..settings import RESIDUALS, SpeculationConfig
 from .context import ContextIndex, DrafterContext, document_order
-from .engine import (RapidEngine, RapidResult, RapidStats, VocabularyMismatch,
+from .engine import (REFERENCE_CONTEXT, RapidEngine, RapidResult, RapidStats, VocabularyMismatch,
                      check_same_vocabulary, default_template, split_question, target_greedy)
-from .speculation import Round, Side, speculate
+from .speculation import Round, Side, check_speculation, speculate
 
-__all__ = ["RapidEngine", "RapidResult", "RapidStats", "VocabularyMismatch", "SpeculationConfig",
+__all__ = ["RapidEngine", "REFERENCE_CONTEXT", "check_speculation", "RapidResult", "RapidStats", "VocabularyMismatch", "SpeculationConfig",
            "check_same_vocabulary", "default_template", "split_question", "target_greedy",
            "Side", "Round", "speculate", "ContextIndex", "DrafterContext", "document_order",
            "accept_drafts", "augmented_probs", "residual_probs", "first_token", "Verdict",

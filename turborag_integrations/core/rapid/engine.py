@@ -34,9 +34,9 @@ from ..prefill.blob import KVBlob
 from ..prefill.cache import KVCache
 from ..prefill.stitch import Prefill, Segment
 from ..run import GenerationResult, GenerationStream, Run, RunStats
-from ..settings import GenerationConfig, SpeculationConfig
+from ..settings import QUANTIZE_MODES, GenerationConfig, SpeculationConfig, check_choice
 from .context import ContextIndex, DrafterContext, document_order
-from .speculation import Side, speculate
+from .speculation import Side, check_draft_prob, check_speculation, speculate
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,30 @@ class RapidStats(RunStats, DraftStats):
     prefix_store_s: float = 0.0
     gamma: int = 0
     eta: float = 0.0
+    draft_s: float = 0.0  # drafter steps, all rounds
+    draft_steps: int = 0
+    verify_s: float = 0.0  # target verification forwards, all rounds
+
+    @property
+    def draft_step_ms(self) -> float:
+        return 1e3 * self.draft_s / self.draft_steps if self.draft_steps else 0.0
+
+    @property
+    def verify_ms(self) -> float:
+        """One verification forward (γ + 1 tokens at most), averaged over the rounds."""
+        return 1e3 * self.verify_s / self.rounds if self.rounds else 0.0
 
     def as_dict(self) -> dict:
         d = super().as_dict()
-        d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted,
+                 draft_step_ms=self.draft_step_ms, verify_ms=self.verify_ms)
         return d
+
+
+# The drafter's context in RAPID's reference code: 128-token chunks, the best of them by
+# similarity to the question (no threshold) up to max(|C| / 32, 4096) tokens.
+REFERENCE_CONTEXT = dict(chunk_tokens=128, threshold=-1.0, compression=32.0,
+                         min_drafter_tokens=4096, max_drafter_tokens=None)
 
 
 RapidResult = GenerationResult  # text, token ids, and RapidStats
@@ -101,28 +120,43 @@ def split_question(text: str) -> tuple[str, str]:
 class RapidEngine:
     """RAPID over two TurboRAGEngines (one engine = self-speculation: same model, short context).
 
-    gamma, eta, residual: the verification (`settings.SpeculationConfig`); chunk_tokens,
-    threshold, max_drafter_tokens, compression: the drafter's own retrieval (chunks of
-    chunk_tokens; cosine ≥ threshold; at most min(max_drafter_tokens, |context| / compression)
-    tokens; kept in document order).
+    gamma, eta, residual: the verification (`settings.SpeculationConfig`; η finite, ≥ 0);
+    chunk_tokens, threshold, max_drafter_tokens, compression, min_drafter_tokens: the drafter's
+    own retrieval (chunks of chunk_tokens; cosine ≥ threshold; best first within a budget of
+    max(min_drafter_tokens, min(max_drafter_tokens, |context| / compression)) tokens, never more
+    than the context (max_drafter_tokens None: no cap); kept in document order).
+    `RapidEngine.reference(...)` uses the reference code's setting (`REFERENCE_CONTEXT`).
+    drafter_quantize: "int8" or "bf16" runs the drafter's steps on reduced-precision weights
+    (decode/fast.py; fp32 CPU models of the llama family); the target always decodes in its own
+    precision. min_draft_prob: adaptive draft length (`speculation.speculate`).
     """
 
     def __init__(self, target: TurboRAGEngine, drafter: TurboRAGEngine | None = None, *,
                  gamma: int = 10, eta: float = 0.0, residual: str = "rapid",
-                 chunk_tokens: int = 512, threshold: float = 0.3, max_drafter_tokens: int = 4096,
-                 compression: float = 4.0, embedder=None, prefix_cache: bool = True,
+                 chunk_tokens: int = 512, threshold: float = 0.3,
+                 max_drafter_tokens: int | None = 4096, compression: float = 4.0,
+                 min_drafter_tokens: int = 0, embedder=None, prefix_cache: bool = True,
                  template: Callable[[str, str], str] = default_template,
-                 system: str | None = None, verify_split: bool = True):
+                 system: str | None = None, verify_split: bool = True,
+                 drafter_quantize: str | None = None, min_draft_prob: float = 0.0):
         drafter = drafter or target
         if drafter is not target:
             check_same_vocabulary(target, drafter)
-        SpeculationConfig(gamma, eta, residual)
-        if compression <= 0 or max_drafter_tokens < 1:
-            raise ValueError("compression must be > 0 and max_drafter_tokens ≥ 1")
+        check_speculation(gamma, eta, residual)
+        check_draft_prob(min_draft_prob)
+        check_choice("drafter_quantize", drafter_quantize, QUANTIZE_MODES)
+        if compression <= 0 or (max_drafter_tokens is not None and max_drafter_tokens < 1) \
+                or min_drafter_tokens < 0 or chunk_tokens < 1:
+            raise ValueError("compression must be > 0, chunk_tokens and max_drafter_tokens ≥ 1 "
+                             "(or max_drafter_tokens None), min_drafter_tokens ≥ 0")
+        if drafter_quantize is not None:
+            Side(drafter.model, None, None, 0, quantize=drafter_quantize)  # fails now, not later
         self.target, self.drafter = target, drafter
         self.gamma, self.eta, self.residual = gamma, eta, residual
         self.chunk_tokens, self.threshold = chunk_tokens, threshold
         self.max_drafter_tokens, self.compression = max_drafter_tokens, compression
+        self.min_drafter_tokens = min_drafter_tokens
+        self.drafter_quantize, self.min_draft_prob = drafter_quantize, min_draft_prob
         self._embedder = embedder
         self.prefix_cache = prefix_cache
         self.template = template
@@ -132,6 +166,20 @@ class RapidEngine:
         self._index: tuple[str, ContextIndex] | None = None
         self._prefix: tuple[str, KVBlob] | None = None  # last prefix blob, always in memory
         self._lock = threading.Lock()
+
+    @classmethod
+    def reference(cls, target: TurboRAGEngine, drafter: TurboRAGEngine | None = None,
+                  **kwargs) -> "RapidEngine":
+        """RAPID with the reference code's drafter context (`REFERENCE_CONTEXT`: 128-token
+        chunks, the best up to max(|C| / 32, 4096) tokens); other settings as given."""
+        return cls(target, drafter, **{**REFERENCE_CONTEXT, **kwargs})
+
+    def drafter_budget(self, context_tokens: int) -> int:
+        """Tokens of retrieved chunks the drafter may read for a context of this length."""
+        cap = context_tokens / self.compression
+        if self.max_drafter_tokens is not None:
+            cap = min(cap, self.max_drafter_tokens)
+        return int(min(context_tokens, max(self.min_drafter_tokens, cap)))
 
     @property
     def embedder(self):
@@ -160,13 +208,14 @@ class RapidEngine:
         """The drafter's own retrieval: chunk_tokens-token chunks over `context`, cosine ≥
         threshold, best first within the token budget, then back in document order."""
         t0 = now()
-        digest = xxhash.xxh3_128_hexdigest(context.encode())
+        # chunk_tokens is a public setting: a changed one must not reuse the old chunks
+        digest = f"{self.chunk_tokens}:{xxhash.xxh3_128_hexdigest(context.encode())}"
         with self._lock:
             if self._index is None or self._index[0] != digest:
                 self._index = (digest, ContextIndex(context, self.drafter.tokenizer,
                                                     self.chunk_tokens, self.embedder))
             index = self._index[1]
-        budget = int(min(self.max_drafter_tokens, sum(index.tokens) / self.compression))
+        budget = self.drafter_budget(sum(index.tokens))
         chosen, used, retrieved = index.select(question, threshold=self.threshold, budget=budget)
         return DrafterContext([index.chunks[i] for i in chosen], used, retrieved,
                               len(index.chunks), budget, now() - t0)
@@ -182,7 +231,7 @@ class RapidEngine:
         `context` itself. An empty list: the question alone.
         """
         config = config or GenerationConfig()
-        speculation = SpeculationConfig(self.gamma if gamma is None else gamma,
+        speculation = check_speculation(self.gamma if gamma is None else gamma,
                                         self.eta if eta is None else eta, self.residual)
         return GenerationStream(start=lambda: self._start(context, question, chunks, config,
                                                           speculation))
@@ -212,34 +261,45 @@ class RapidEngine:
 
     def target_prefill(self, prefix: str, suffix: str, reserve: int):
         """The target's prefill, reusing the prefix cache. Returns (Prefill, prefix_key, hit)."""
-        engine = self.target
+        return self.cached_prefill(self.target, prefix, suffix, reserve)
+
+    def cached_prefill(self, engine: TurboRAGEngine, prefix: str, suffix: str, reserve: int):
+        """`engine`'s prefill of prefix + suffix, the prefix's KV read from the prefix cache
+        when it is there (the target's last one is also kept in memory). Returns (Prefill,
+        prefix_key, hit); `save_prefix` stores a missed prefix after decoding."""
         blob, key = None, None
         if prefix and self.prefix_cache:
             key = engine.prefix_key(prefix)
-            if self._prefix is not None and self._prefix[0] == key:
+            if engine is self.target and self._prefix is not None and self._prefix[0] == key:
                 blob = self._prefix[1]
-            elif self._native_store():
+            elif self._native_store(engine):
                 blob = engine.store.get(key, engine.prefix_fingerprint)
         segments = [Segment(prefix, blob), Segment(suffix)] if prefix else [Segment(suffix)]
         pre = engine.prefill(segments, reserve=reserve)
         return pre, key, blob is not None
 
-    def _native_store(self) -> bool:
+    @staticmethod
+    def _native_store(engine: TurboRAGEngine) -> bool:
         # A lossy store (int8, half) would make the "exact" prefix cache inexact.
-        return self.target.store.storage_dtype == "native"
+        return engine.store.storage_dtype == "native"
 
-    def _save_prefix(self, key: str, cache: KVCache, ids: list[int]) -> None:
+    def save_prefix(self, engine: TurboRAGEngine, key: str, cache: KVCache,
+                    ids: list[int]) -> None:
+        """Store the first len(ids) entries of `cache` (a prefill from position 0 of `ids`) as
+        `engine`'s prefix blob under `key`."""
         keys, values = cache.export(len(ids))
         blob = KVBlob(token_ids=torch.as_tensor(ids, dtype=torch.long), keys=keys,
-                      values=values, fingerprint=self.target.prefix_fingerprint)
-        self._prefix = (key, blob)
-        if self._native_store():
-            self.target.store.put(blob, kind="prefix")  # bounded apart from the chunk blobs
+                      values=values, fingerprint=engine.prefix_fingerprint)
+        if engine is self.target:
+            self._prefix = (key, blob)
+        if self._native_store(engine):
+            engine.store.put(blob, kind="prefix")  # bounded apart from the chunk blobs
 
-    def _drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
-                         reserve: int) -> Prefill:
-        """The drafter's prompt over its chunks, stitched from their blobs (encoded on first
-        use)."""
+    def drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
+                        reserve: int) -> Prefill:
+        """The drafter's prompt over its chunks (None: its own retrieval; see `stream`),
+        stitched from their blobs (encoded on first use); fills the drafter's fields of
+        `stats`. The caller releases the cache to `self.drafter.cache_pool`."""
         if chunks is None:
             dctx = self.drafter_context(context, question) if context else None
             chosen = dctx.chunks if dctx else []
@@ -271,21 +331,28 @@ class RapidEngine:
         stats.target_reused_tokens = pre_t.plan.reused_tokens
         stats.target_prefix_hit = hit
         try:
-            pre_d = self._drafter_prefill(context, question, chunks, stats, reserve)
+            pre_d = self.drafter_prefill(context, question, chunks, stats, reserve)
         except BaseException:
             self.target.cache_pool.release(pre_t.cache)
             raise
         target = Side(self.target.model, pre_t.cache, pre_t.logits, pre_t.next_position)
-        drafter = Side(self.drafter.model, pre_d.cache, pre_d.logits, pre_d.next_position)
+        try:
+            drafter = Side(self.drafter.model, pre_d.cache, pre_d.logits, pre_d.next_position,
+                           quantize=self.drafter_quantize)
+        except BaseException:
+            self.target.cache_pool.release(pre_t.cache)
+            self.drafter.cache_pool.release(pre_d.cache)
+            raise
         rounds = speculate(target, drafter, config, gamma=speculation.gamma, eta=speculation.eta,
                            residual=speculation.residual, eos_ids=self.eos_ids,
-                           max_new_tokens=limit, verify_split=self.verify_split)
+                           max_new_tokens=limit, verify_split=self.verify_split,
+                           min_draft_prob=self.min_draft_prob)
 
         def finish() -> None:
             if key is not None and not hit:
                 # Decoding only appends after the prefix, so the cache still holds it exactly.
                 t0 = now()
-                self._save_prefix(key, pre_t.cache, prefix_ids)
+                self.save_prefix(self.target, key, pre_t.cache, prefix_ids)
                 stats.prefix_store_s = now() - t0
             self.target.cache_pool.release(pre_t.cache)
             self.drafter.cache_pool.release(pre_d.cache)
@@ -303,6 +370,9 @@ def _counted(rounds, stats: RapidStats):
                 stats.rounds += 1
                 stats.drafted += rnd.drafted
                 stats.accepted += rnd.accepted
+                stats.draft_s += rnd.draft_s
+                stats.draft_steps += rnd.draft_steps
+                stats.verify_s += rnd.verify_s
             yield rnd.tokens
     finally:
         rounds.close()

@@ -9,17 +9,26 @@ Caches: the target cache holds the context and every accepted token but the last
 cache likewise, plus possibly the last accepted draft when a whole round was accepted. A round
 feeds the pending tokens and drafts to both, then truncates both to what was accepted (O(1)),
 so after any round each cache equals a fresh prefill of the accepted sequence.
+
+Speed (measured in benchmarks/rapid.py): a round costs γ drafter steps plus one target forward
+of the pending token and the drafts, which on a CPU costs little more than one target step
+(the target's weights are read once for all of them). Two switches make drafting cheaper
+without touching the target's arithmetic: the drafter side may step on reduced-precision
+weights (`Side(quantize="int8")`, decode/fast.py), and a round may stop drafting early once the
+drafter is unsure of its next token (`min_draft_prob`). Neither changes what the target accepts
+at η = 0: every token is still the target's own choice.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from ..attention import sdpa_gqa, suffix_causal
-from ..decode.fast import FastDecoder
+from ..decode.fast import FastDecoder, unsupported_reason
 from ..decode.sampling import AcceptRule, accept_drafts, first_token, sample
 from ..prefill.cache import KVCache
 from ..settings import GenerationConfig, SpeculationConfig
@@ -39,10 +48,22 @@ class Side:
     position: int
     pending: list[int] = field(default_factory=list)
     fast: bool = True  # decode.FastDecoder where the model allows it, as the plain decode loop
+    # reduced-precision weights for this side's steps ("int8", "bf16"; decode/fast.py): for a
+    # drafter only, since the target's arithmetic decides the output
+    quantize: str | None = None
 
     def __post_init__(self):
         # looked up once per generation, not per fed token (the support check walks the model)
-        self._decoder = FastDecoder.for_model(self.model) if self.fast else None
+        if self.quantize is not None:
+            if not self.fast:
+                raise ValueError(f"quantize={self.quantize!r} needs the fast decode path "
+                                 "(fast=True)")
+            self._decoder = FastDecoder.for_model(self.model, self.quantize)
+            if self._decoder is None:
+                raise ValueError(f"quantize={self.quantize!r}: the fast decode path does not "
+                                 f"support this model ({unsupported_reason(self.model)})")
+        else:
+            self._decoder = FastDecoder.for_model(self.model) if self.fast else None
 
     def feed(self, tokens: Sequence[int], keep: int = 1, verify: bool = False) -> torch.Tensor:
         """Append `tokens` to the cache; return the logits of the last `keep` of them.
@@ -52,7 +73,7 @@ class Side:
         CPU). Both switches hold for this forward only: other threads using the same model are
         unaffected.
         """
-        decoder = self._decoder if verify or len(tokens) == 1 else None
+        decoder = self._decoder if verify or len(tokens) == 1 or self.quantize else None
         if decoder is not None:
             with torch.inference_mode():
                 logits = decoder.forward(tokens, self.position, self.cache)
@@ -84,18 +105,27 @@ class Round:
     drafted: int
     accepted: int
     eos: bool = False  # generation ended with an end-of-sequence token (not in `tokens`)
+    draft_s: float = 0.0  # the drafter's steps of this round
+    draft_steps: int = 0  # drafter forwards (the first may feed two pending tokens)
+    verify_s: float = 0.0  # the target's forward over the pending token and the drafts
 
 
 def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: int = 10,
               eta: float = 0.0, residual: str = "rapid", eos_ids: Iterable[int] = (),
               max_new_tokens: int | None = None, generator: torch.Generator | None = None,
-              accept: AcceptRule = accept_drafts, verify_split: bool = True) -> Iterator[Round]:
+              accept: AcceptRule = accept_drafts, verify_split: bool = True,
+              min_draft_prob: float = 0.0) -> Iterator[Round]:
     """Yield rounds until max_new_tokens or an end-of-sequence token.
 
     Between rounds both caches hold exactly the accepted sequence minus the pending tokens.
     gamma, eta, residual: see `settings.SpeculationConfig` (validated there).
+    min_draft_prob: adaptive draft length. A round stops drafting (before γ) once the drafter's
+    probability of its own last draft falls below this; 0 always drafts γ. Such a draft is
+    likely rejected, and every draft after it is wasted drafter time. The rule reads only the
+    drafter's distribution, so the output law is unchanged (lossless at η = 0).
     """
-    SpeculationConfig(gamma, eta, residual)
+    check_speculation(gamma, eta, residual)
+    check_draft_prob(min_draft_prob)
     eos = set(eos_ids)
     limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
     if generator is None:
@@ -118,8 +148,11 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: i
         g = min(gamma, limit - produced - 1)
         drafts: list[int] = []
         draft_logits = []
+        t0 = time.perf_counter()
+        steps = 0
         if g > 0:
             logits = drafter.feed(drafter.pending, verify=True)[-1]
+            steps += 1
             drafter.pending = []
             for j in range(g):
                 draft_logits.append(logits)
@@ -127,7 +160,11 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: i
                 drafts.append(d)
                 if d in eos or j == g - 1:
                     break  # nothing after an end-of-sequence draft can be accepted
+                if min_draft_prob > 0 and _draft_prob(logits, d, config) < min_draft_prob:
+                    break  # the drafter doubts this one: verify now rather than draft on
                 logits = drafter.feed([d])[-1]
+                steps += 1
+        t1 = time.perf_counter()
         fed = target.pending + drafts
         t_logits = target.feed(fed, keep=len(drafts) + 1, verify=verify_split)
         verdict = accept(drafts, t_logits,
@@ -155,6 +192,27 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: i
             out.append(t)
         out = out[:limit - produced]
         produced += len(out)
-        yield Round(out, len(drafts), n, eos=ended)
+        yield Round(out, len(drafts), n, eos=ended, draft_s=t1 - t0, draft_steps=steps,
+                    verify_s=time.perf_counter() - t1)
         if ended:
             return
+
+
+def check_speculation(gamma: int, eta: float, residual: str) -> SpeculationConfig:
+    """`SpeculationConfig`, plus a finite η: softmax(z + η(q − p)) has no meaning at η = ∞."""
+    config = SpeculationConfig(gamma, eta, residual)
+    if eta == float("inf"):
+        raise ValueError(f"eta must be a finite number ≥ 0 (0 is lossless), not {eta!r}")
+    return config
+
+
+def check_draft_prob(value: float) -> float:
+    if not 0.0 <= value < 1.0:  # also refuses NaN
+        raise ValueError(f"min_draft_prob must be in [0, 1), not {value!r} (0: always draft γ)")
+    return value
+
+
+def _draft_prob(logits: torch.Tensor, token: int, config: GenerationConfig) -> float:
+    """The drafter's probability of `token` (at temperature 1 when greedy)."""
+    z = logits.float() if config.greedy else logits.float() / config.temperature
+    return float(torch.softmax(z, -1)[token])
