@@ -81,8 +81,9 @@ def start_worker(model: str | None, store: str | None) -> tuple[subprocess.Popen
 
 
 def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], question: str,
-                max_tokens: int) -> dict:
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed greedy chat completion; `extra`: more body fields."""
+    body = {**(extra or {}), "model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": "Answer from the context."},
                          {"role": "user", "content": "\n\n".join(chunks) + "\n\n" + question}]}
@@ -91,7 +92,9 @@ def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], q
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {response.read()[:300]!r}"}
+        done = False
         for line in response.iter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
@@ -103,6 +106,8 @@ def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], q
                 tokens = event["usage"].get("completion_tokens", tokens)
             stats = event.get("turborag") or stats
     end = time.perf_counter()
+    if not done:
+        return {"error": f"the stream ended without [DONE] after {len(text)} characters"}
     return {"text": text, "ttft_s": (first or end) - t0, "latency_s": end - t0, "tokens": tokens,
             "decode_s": end - (first or end), "reused": stats.get("reused_tokens", 0)}
 
