@@ -69,10 +69,10 @@ def long_document(tokenizer, tokens: int, seed: int = 0) -> str:
     return "\n\n".join(parts)
 
 
-def timed_decode(model, pre, n):
+def timed_decode(model, pre, n, eos_ids=frozenset()):
     t0 = time.perf_counter()
     out = list(decode_loop(model, pre.cache, pre.logits, pre.next_position,
-                           GenerationConfig(max_new_tokens=n), eos_ids=set()))
+                           GenerationConfig(max_new_tokens=n), eos_ids=set(eos_ids)))
     return out, time.perf_counter() - t0
 
 
@@ -115,6 +115,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-context", action="store_true",
                     help="pair mode: also run RAPID with RapidEngine.reference's drafter context "
                          "(max(|C|/32, 4096) tokens)")
+    ap.add_argument("--question", default=QUESTION, help="pair mode: the question")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="pair mode: decode exactly --new-tokens tokens past the end of the "
+                         "answer (default: every mode stops where the target's answer ends)")
     ap.add_argument("--store", help="pair mode: KV store folder (keeps the one-off long-context "
                                     "prefills between invocations; default: a temporary one)")
     ap.add_argument("--runs", type=int, default=1)
@@ -226,9 +230,9 @@ def ensure_prefix(rapid: RapidEngine, engine, prefix: str, suffix: str, reserve:
     return {"hit": hit, "seconds": time.perf_counter() - t0, "tokens": len(pre.plan.token_ids)}
 
 
-def spec_run(rapid: RapidEngine, t_pre, d_pre, setting: dict, n: int) -> dict:
-    """Greedy speculative decoding of n tokens (end-of-sequence not honoured, as for the target
-    alone) from two ready prefills; both caches are released."""
+def spec_run(rapid: RapidEngine, t_pre, d_pre, setting: dict, n: int, eos_ids=()) -> dict:
+    """Greedy speculative decoding of up to n tokens (to the end of sequence when `eos_ids` is
+    given, as for the target alone) from two ready prefills; both caches are released."""
     target = Side(rapid.target.model, t_pre.cache, t_pre.logits, t_pre.next_position)
     drafter = Side(rapid.drafter.model, d_pre.cache, d_pre.logits, d_pre.next_position,
                    quantize=setting["quantize"])
@@ -238,7 +242,8 @@ def spec_run(rapid: RapidEngine, t_pre, d_pre, setting: dict, n: int) -> dict:
         t_first = None
         for i, rnd in enumerate(speculate(target, drafter, GenerationConfig(max_new_tokens=n),
                                           gamma=setting["gamma"], max_new_tokens=n,
-                                          min_draft_prob=setting["min_draft_prob"])):
+                                          min_draft_prob=setting["min_draft_prob"],
+                                          eos_ids=eos_ids)):
             if i == 0:
                 t_first = time.perf_counter()
             else:
@@ -316,8 +321,10 @@ def pair_main(args, log) -> dict:
     settings = settings_to_run(args)
     rapid = RapidEngine(target, drafter, gamma=args.gamma[0], chunk_tokens=args.chunk_tokens)
     doc = long_document(target.tokenizer, args.context_tokens)
-    prefix, suffix = rapid.render(target, doc, QUESTION)
-    d_prefix, d_suffix = rapid.render(drafter, doc, QUESTION)
+    question = args.question
+    eos = () if args.ignore_eos else eos_token_ids(target.model, target.tokenizer)
+    prefix, suffix = rapid.render(target, doc, question)
+    d_prefix, d_suffix = rapid.render(drafter, doc, question)
     reserve = n + max(args.gamma) + 2
     # One-off prefills, not timed: the target's long context (what RAPID reuses across
     # questions) and, for naive speculative decoding, the drafter's.
@@ -330,7 +337,7 @@ def pair_main(args, log) -> dict:
     for s in settings:
         use_drafter_context(rapid, s)
         stats = RapidStats()
-        pre = rapid.drafter_prefill(doc, QUESTION, None, stats, reserve)
+        pre = rapid.drafter_prefill(doc, question, None, stats, reserve)
         drafter.cache_pool.release(pre.cache)
         s["drafter_prompt_tokens"] = stats.drafter_prompt_tokens
         s["drafter_chunks"] = stats.drafter_chunks
@@ -342,7 +349,7 @@ def pair_main(args, log) -> dict:
     def target_alone():
         pre, _, _ = rapid.target_prefill(prefix, suffix, reserve)
         try:
-            out, secs = timed_decode(target.model, pre, n)
+            out, secs = timed_decode(target.model, pre, n, eos)
         finally:
             target.cache_pool.release(pre.cache)
         return out, (len(out) - 1) / secs
@@ -359,7 +366,7 @@ def pair_main(args, log) -> dict:
         target_tps.append(tps)
         t_pre, _, _ = rapid.target_prefill(prefix, suffix, reserve)
         d_pre, _, _ = rapid.cached_prefill(drafter, d_prefix, d_suffix, reserve)
-        r = spec_run(rapid, t_pre, d_pre, base, n)
+        r = spec_run(rapid, t_pre, d_pre, base, n, eos)
         lossless["naive"] &= r["tokens"] == ref
         naive.append(r)
         log(f"run {run + 1}: target {tps:.3f} tok/s; naive SD {r['tps']:.3f} "
@@ -368,11 +375,11 @@ def pair_main(args, log) -> dict:
             use_drafter_context(rapid, s)
             t_pre, _, _ = rapid.target_prefill(prefix, suffix, reserve)
             try:
-                d_pre = rapid.drafter_prefill(doc, QUESTION, None, RapidStats(), reserve)
+                d_pre = rapid.drafter_prefill(doc, question, None, RapidStats(), reserve)
             except BaseException:
                 target.cache_pool.release(t_pre.cache)
                 raise
-            r = spec_run(rapid, t_pre, d_pre, s, n)
+            r = spec_run(rapid, t_pre, d_pre, s, n, eos)
             r["lossless"] = r.pop("tokens") == ref
             per[i].append(r)
             log(f"  {label(s)}: {r['tps']:.3f} tok/s, acceptance {r['acceptance']:.2f}, "
@@ -400,13 +407,14 @@ def pair_main(args, log) -> dict:
         row.update(summary(per[i]), lossless=all(r["lossless"] for r in per[i]),
                    label=label(s))
         rows.append(row)
-    # Whether the target stops within n tokens (the timed decodes all run n tokens).
-    eos = eos_token_ids(target.model, target.tokenizer)
-    answer_ids = ref[:next((k for k, t in enumerate(ref) if t in eos), len(ref))]
+    # The answer: up to the end of sequence (with --ignore-eos the timed decodes run past it).
+    stop = eos_token_ids(target.model, target.tokenizer)
+    answer_ids = ref[:next((k for k, t in enumerate(ref) if t in stop), len(ref))]
     step_ms = 1e3 / t_med
     result = {
         "mode": "pair", "target": args.target, "drafter": args.drafter,
         "context_tokens": cold_t["tokens"], "new_tokens": n, "runs": args.runs,
+        "question": question, "ignore_eos": args.ignore_eos, "decoded_tokens": len(ref),
         "threads": torch.get_num_threads(), "chunk_tokens": args.chunk_tokens,
         "cold_target_prefill_s": None if cold_t["hit"] else cold_t["seconds"],
         "cold_drafter_prefill_s": None if cold_d["hit"] else cold_d["seconds"],
@@ -426,7 +434,9 @@ def pair_main(args, log) -> dict:
 
 def print_pair(r: dict) -> None:
     print(f"{r['target']} ← {r['drafter']}: {r['context_tokens']} context tokens, "
-          f"{r['new_tokens']} new tokens, {r['runs']} runs, {r['threads']} threads")
+          f"{r['decoded_tokens']} tokens decoded (at most {r['new_tokens']}"
+          f"{', past the end of the answer' if r['ignore_eos'] else ''}), {r['runs']} runs, "
+          f"{r['threads']} threads")
     print(f"target alone: {r['target_tps']:.3f} tok/s ({r['target_step_ms']:.0f} ms/step), "
           f"runs {r['target_tps_runs']}")
     for g, v in r["verify_in_steps"].items():
