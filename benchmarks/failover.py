@@ -10,7 +10,8 @@ Three phases, each checked (the script exits 1 if a check fails):
    A's), and B's first question over them reuses their tokens.
 2. Redis restarts mid-run. Clients send greedy requests to both workers, each naming one chunk
    no worker has seen (`turborag_chunks`), so every request encodes a blob and writes it through
-   to Redis; redis-server is killed and started again while they run. No request may fail, and
+   to Redis; redis-server is killed after the second request ends and started again once three
+   more have ended. No request may fail, and
    every answer must equal the answer the same request gets alone afterwards.
 3. A worker is killed. Clients send requests round robin, as a load balancer would, and retry a
    request on the other worker when theirs is refused or cut off mid-stream; worker A gets
@@ -112,10 +113,13 @@ def request(client, url, model, i, texts, n_chunks, max_tokens, with_fresh: bool
 
 
 def drive(urls: list[str], model: str, ids: list[int], clients: int, texts: list[str],
-          n_chunks: int, max_tokens: int, with_fresh: bool, failover: bool) -> list[dict]:
+          n_chunks: int, max_tokens: int, with_fresh: bool, failover: bool,
+          results: list | None = None) -> list[dict]:
     """Send requests `ids` from `clients` threads, round robin over `urls`; with `failover`, a
-    request refused or cut off on one worker is sent again to the next."""
-    results, lock, queue = [], threading.Lock(), list(ids)
+    request refused or cut off on one worker is sent again to the next. `results` (appended to
+    as requests end) lets another thread follow the progress."""
+    results = [] if results is None else results
+    lock, queue = threading.Lock(), list(ids)
 
     def loop() -> None:
         with httpx.Client(timeout=600) as client:
@@ -196,18 +200,30 @@ def main(argv=None) -> int:
         ids = list(range(args.requests))
         restarts = []
 
+        progress: list[dict] = []
+        during: list[int] = []
+
+        def wait_for(count: int, limit_s: float) -> None:
+            deadline = time.monotonic() + limit_s
+            while len(progress) < count and time.monotonic() < deadline:
+                time.sleep(0.2)
+
         def restart_redis() -> None:
-            time.sleep(3)
+            # Down from the 2nd finished request until 3 more have finished: requests are
+            # admitted, encode their fresh chunk and write it through while Redis is gone.
+            wait_for(2, 900)
             redis_server.kill()
             restarts.append(time.perf_counter())
-            time.sleep(3)
+            done_before = len(progress)
+            wait_for(done_before + 3, 300)
+            during.append(len(progress) - done_before)
             redis_server.start()
             restarts.append(time.perf_counter())
 
         chaos = threading.Thread(target=restart_redis)
         chaos.start()
         got = drive([a, b], model, ids, args.clients, texts, args.chunks, args.max_tokens,
-                    with_fresh=True, failover=False)
+                    with_fresh=True, failover=False, results=progress)
         chaos.join()
         reference = solo(b, model, ids, texts, args.chunks, args.max_tokens, with_fresh=True)
         errors = [r for r in got if "error" in r]
@@ -215,7 +231,8 @@ def main(argv=None) -> int:
             "requests": len(got), "errors": len(errors),
             "error_samples": [r["error"] for r in errors][:3],
             "mismatches": sum(r.get("text") != reference[r["id"]] for r in got if "text" in r),
-            "redis_down_s": restarts[1] - restarts[0] if len(restarts) == 2 else None}
+            "redis_down_s": restarts[1] - restarts[0] if len(restarts) == 2 else None,
+            "requests_finished_while_down": during[0] if during else 0}
         report["checks"]["redis_restart_no_failure"] = not errors
         report["checks"]["redis_restart_no_wrong_answer"] = report["redis_restart"]["mismatches"] == 0
 
@@ -225,15 +242,18 @@ def main(argv=None) -> int:
                          with_fresh=False)
         killed = []
 
+        progress = []
+
         def kill_a() -> None:
-            time.sleep(4)
+            wait_for(2, 900)  # then streams are open on both workers
+            time.sleep(1)
             os.kill(proc_a.pid, signal.SIGKILL)
             killed.append(time.perf_counter())
 
         chaos = threading.Thread(target=kill_a)
         chaos.start()
         got = drive([a, b], model, ids, args.clients, texts, args.chunks, args.max_tokens,
-                    with_fresh=False, failover=True)
+                    with_fresh=False, failover=True, results=progress)
         chaos.join()
         on_b = [x for r in got for x in r["attempts"] if x["url"] == b]
         cut = [x for r in got for x in r["attempts"] if x["url"] == a and "error" in x]
@@ -265,7 +285,8 @@ def main(argv=None) -> int:
         print(f"1. sharing: {s['chunks']} chunks ingested through A in {s['ingest_a_s']:.1f} s, "
               f"the same texts through B in {s['ingest_b_s']:.1f} s (from Redis); B's first "
               f"question reused {s['first_query_on_b_reused_tokens']} tokens")
-        print(f"2. redis-server killed for {r['redis_down_s'] or 0:.1f} s mid-run: "
+        print(f"2. redis-server killed for {r['redis_down_s'] or 0:.1f} s mid-run "
+              f"({r['requests_finished_while_down']} requests finished meanwhile): "
               f"{r['requests']} requests, {r['errors']} failed, {r['mismatches']} answers "
               f"different from alone")
         print(f"3. worker A killed (-9) mid-run: {w['requests']} requests, {w['failed']} failed "
