@@ -76,6 +76,12 @@ def timed_decode(model, pre, n, eos_ids=frozenset()):
     return out, time.perf_counter() - t0
 
 
+def upto_eos(ids: list[int], engine) -> list[int]:
+    """`ids` up to (without) the first end-of-sequence token."""
+    eos = eos_token_ids(engine.model, engine.tokenizer)
+    return ids[:next((k for k, t in enumerate(ids) if t in eos), len(ids))]
+
+
 def verify_cost(engine, pre, gamma, reps=3):
     """Seconds of a 1-token step and of a (γ+1)-token forward, split and stock."""
     side = Side(engine.model, pre.cache, pre.logits, pre.next_position)
@@ -184,7 +190,8 @@ def main(argv=None) -> int:
             res = rapid.generate(doc, QUESTION, config=config)
             rapid_tps.append(res.stats.decode_tokens_per_s)
             rapid_acc.append(res.stats.acceptance_rate)
-            lossless &= res.token_ids == ref
+            # RAPID's call stops at the end of sequence; the target alone decoded past it
+            lossless &= res.token_ids == upto_eos(ref, engine)
             log(f"run: target {target_tps[-1]:.2f} tok/s, naive SD {naive_tps[-1]:.2f} "
                 f"(acc {naive_acc[-1]:.2f}), RAPID {rapid_tps[-1]:.2f} (acc {rapid_acc[-1]:.2f}, "
                 f"drafter {res.stats.drafter_prompt_tokens} tokens)")
@@ -408,8 +415,7 @@ def pair_main(args, log) -> dict:
                    label=label(s))
         rows.append(row)
     # The answer: up to the end of sequence (with --ignore-eos the timed decodes run past it).
-    stop = eos_token_ids(target.model, target.tokenizer)
-    answer_ids = ref[:next((k for k, t in enumerate(ref) if t in stop), len(ref))]
+    answer_ids = upto_eos(ref, target)
     step_ms = 1e3 / t_med
     result = {
         "mode": "pair", "target": args.target, "drafter": args.drafter,
