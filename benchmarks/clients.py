@@ -20,7 +20,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import chunk_texts, free_port  # noqa: E402
+from load import chunk_texts, start_worker  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[1] / "turborag_integrations" / "data" / "sample_docs"
 QUESTIONS = [
@@ -51,26 +50,6 @@ def nodes() -> list[str]:
     docs += [Document(text=t) for t in chunk_texts(24)]
     splitter = SentenceSplitter(chunk_size=256, chunk_overlap=0)
     return [n.get_content() for n in splitter.get_nodes_from_documents(docs)]
-
-
-def start_server(mode: str, store: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port),
-           "--store", str(store), "--mode", mode]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise SystemExit("the server did not answer /health within 600 s")
 
 
 def counters(url: str) -> dict[str, float]:
@@ -133,7 +112,7 @@ def langchain_pipeline(url: str, model: str, texts: list[str]):
 
 def measure(mode: str, texts: list[str], embed, runs: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="turborag-clients-") as store:
-        proc, url = start_server(mode, Path(store))
+        proc, url = start_worker(None, store, "--mode", mode)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             httpx.post(f"{url}/v1/turborag/chunks", json={"texts": texts},

@@ -57,9 +57,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(model: str | None, store: str | None) -> tuple[subprocess.Popen, str]:
+def start_worker(model: str | None, store: str | None,
+                 *options: str) -> tuple[subprocess.Popen, str]:
+    """A `turborag serve` worker on a free loopback port (more serve `options` appended), once
+    it answers /health."""
     port = free_port()
-    cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port),
+           *options]
     if model:
         cmd += ["--model", model]
     if store:
