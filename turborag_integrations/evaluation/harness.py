@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 from ..core.errors import ContextWindowError
 from ..core.settings import GenerationConfig
 from ..core.prefill.recovery import parse_recovery
+from .jsonl import read_jsonl
 from .metrics import is_refusal, normalize, score
 from .prompt import build_prompt, prompt_head
 
@@ -61,40 +62,30 @@ class LoadReport:
 
 def load_items(path: str | Path) -> LoadReport:
     """Read the JSONL set; malformed lines are reported with their line numbers and skipped."""
-    items, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("not a JSON object")
-                q, answers, chunks = d.get("question"), d.get("answers"), d.get("chunks")
-                if not isinstance(q, str) or not q.strip():
-                    raise ValueError("'question' must be a non-empty string")
-                if isinstance(answers, str):
-                    answers = [answers]
-                unanswerable = d.get("unanswerable", False)
-                if not isinstance(unanswerable, bool):
-                    raise ValueError("'unanswerable' must be true or false")
-                if answers is None and unanswerable:
-                    answers = []
-                if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
-                    raise ValueError("'answers' must be a list of strings")
-                if not answers and not unanswerable:
-                    raise ValueError("'answers' is empty: give at least one answer, or mark the "
-                                     "item \"unanswerable\": true")
-                if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
-                    raise ValueError("'chunks' must be a list of strings")
-                gold = d.get("gold") or []
-                items.append(Item(str(d.get("id", f"line{n}")), q, answers,
-                                  [c for c in chunks if c.strip()], list(gold), n, unanswerable,
-                                  d.get("template") or None))
-            except (ValueError, TypeError) as exc:
-                errors.append((n, str(exc) if not isinstance(exc, json.JSONDecodeError)
-                               else f"invalid JSON: {exc.msg} (column {exc.colno})"))
-    return LoadReport(items, errors)
+    return LoadReport(*read_jsonl(path, _item))
+
+
+def _item(d: dict, n: int) -> Item:
+    q, answers, chunks = d.get("question"), d.get("answers"), d.get("chunks")
+    if not isinstance(q, str) or not q.strip():
+        raise ValueError("'question' must be a non-empty string")
+    if isinstance(answers, str):
+        answers = [answers]
+    unanswerable = d.get("unanswerable", False)
+    if not isinstance(unanswerable, bool):
+        raise ValueError("'unanswerable' must be true or false")
+    if answers is None and unanswerable:
+        answers = []
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        raise ValueError("'answers' must be a list of strings")
+    if not answers and not unanswerable:
+        raise ValueError("'answers' is empty: give at least one answer, or mark the "
+                         "item \"unanswerable\": true")
+    if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+        raise ValueError("'chunks' must be a list of strings")
+    gold = d.get("gold") or []
+    return Item(str(d.get("id", f"line{n}")), q, answers, [c for c in chunks if c.strip()],
+                list(gold), n, unanswerable, d.get("template") or None)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from .devset import FILLER, Entity, build_world
+from .jsonl import read_jsonl
 
 # Token bounds for a document, counted with the bundled model's tokenizer (SmolLM2, window 8192):
 # room is left for the system prompt, the question and the answer.
@@ -230,43 +231,31 @@ def generate(out: Path, count_tokens: Callable[[str], int], *, seed: int = 1701,
 
 def load_documents(path: str | Path) -> tuple[list[LongDocument], list[tuple[int, str]]]:
     """Read a long-document set; malformed lines come back as (line number, reason)."""
-    docs, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("not a JSON object")
-                text = d.get("document")
-                if not isinstance(text, str) or not text.strip():
-                    raise ValueError("'document' must be a non-empty string (the long context)")
-                raw = d.get("questions")
-                if not isinstance(raw, list) or not raw:
-                    raise ValueError("'questions' must be a non-empty list")
-                qs = []
-                for j, q in enumerate(raw):
-                    if not isinstance(q, dict) or not isinstance(q.get("question"), str) \
-                            or not q["question"].strip():
-                        raise ValueError(f"question {j}: needs a non-empty 'question' string")
-                    answers = q.get("answers")
-                    if isinstance(answers, str):
-                        answers = [answers]
-                    if not isinstance(answers, list) or not answers \
-                            or not all(isinstance(a, str) and a.strip() for a in answers):
-                        raise ValueError(f"question {j}: 'answers' must be a non-empty list of "
-                                         "strings")
-                    qs.append(Question(str(q.get("id", f"line{n}-q{j}")), q["question"],
-                                       answers, str(q.get("kind", "direct")),
-                                       list(q.get("evidence") or [])))
-                docs.append(LongDocument(str(d.get("doc_id", f"line{n}")),
-                                         str(d.get("split", "")), text, qs,
-                                         int(d.get("tokens") or 0), d.get("seed"), n))
-            except (ValueError, TypeError) as exc:
-                errors.append((n, str(exc) if not isinstance(exc, json.JSONDecodeError)
-                               else f"invalid JSON: {exc.msg} (column {exc.colno})"))
-    return docs, errors
+    return read_jsonl(path, _document)
+
+
+def _document(d: dict, n: int) -> LongDocument:
+    text = d.get("document")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("'document' must be a non-empty string (the long context)")
+    raw = d.get("questions")
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("'questions' must be a non-empty list")
+    qs = []
+    for j, q in enumerate(raw):
+        if not isinstance(q, dict) or not isinstance(q.get("question"), str) \
+                or not q["question"].strip():
+            raise ValueError(f"question {j}: needs a non-empty 'question' string")
+        answers = q.get("answers")
+        if isinstance(answers, str):
+            answers = [answers]
+        if not isinstance(answers, list) or not answers \
+                or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise ValueError(f"question {j}: 'answers' must be a non-empty list of strings")
+        qs.append(Question(str(q.get("id", f"line{n}-q{j}")), q["question"], answers,
+                           str(q.get("kind", "direct")), list(q.get("evidence") or [])))
+    return LongDocument(str(d.get("doc_id", f"line{n}")), str(d.get("split", "")), text, qs,
+                        int(d.get("tokens") or 0), d.get("seed"), n)
 
 
 def is_long_document_set(path: str | Path) -> bool:
