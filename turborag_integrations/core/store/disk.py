@@ -233,10 +233,15 @@ class DiskTier(Tier):
         except OSError as exc:
             reason = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
                       errno.EROFS: "the file system is read-only",
-                      errno.EDQUOT: "the disk quota is exceeded"}.get(exc.errno, exc.strerror)
+                      errno.EDQUOT: "the disk quota is exceeded",
+                      errno.EFBIG: "the file is larger than this process may write (its file "
+                                   "size limit, ulimit -f, or the file system's)"
+                      }.get(exc.errno, exc.strerror)
+            remedy = ("Raise that limit, or lower disk_bytes / prefix_bytes so that blobs this "
+                      "large are not stored" if exc.errno == errno.EFBIG else
+                      "Free space or choose another store folder (--store / TURBORAG_STORE)")
             raise StoreWriteError(exc.errno, f"could not write KV blob to {target}: {reason}. "
-                                  "Free space or choose another store folder (--store / "
-                                  "TURBORAG_STORE).") from exc
+                                  f"{remedy}.") from exc
         with self._lock:
             if self._held is not None:
                 self._held[kind] += len(payload)
@@ -277,6 +282,10 @@ class DiskTier(Tier):
                 ) -> KVBlob:
         try:
             meta, tensors = format.decode(raw, verify=self._verified.get(key) != version)
+            if meta.get("key") != key:
+                # A sound file under another blob's name (copied or renamed by hand): its
+                # checksum passes, but serving it would hand out another chunk's KV.
+                raise BlobCorrupted(f"it holds the blob of key {meta.get('key')!r}")
             blob = codec.from_stored(tensors, meta, format.fingerprint_of(meta))
         except (BlobCorrupted, KeyError, TypeError, ValueError) as exc:
             self._verified.pop(key, None)
