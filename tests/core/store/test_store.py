@@ -37,25 +37,30 @@ def test_same_chunk_same_key_other_model_other_key(blobs):
     assert a.key == type(a)(a.token_ids, a.keys, a.values, fp).key
 
 
-def test_corrupted_blob_is_a_miss_and_removed(tmp_path, blobs):
+@pytest.mark.parametrize("where", [0, 30, -10], ids=["header-length", "header-json", "data"])
+def test_corrupted_blob_is_a_miss_and_removed(tmp_path, blobs, where):
     fp, (a, *_) = blobs
     store = KVStore(tmp_path, memory_bytes=0)
     key = store.put(a)
     path = store.disk.path(key)
     data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF  # flip bits inside the tensor data
+    data[where] ^= 0xFF  # flip the bits of one byte
     path.write_bytes(bytes(data))
     assert store.get(key, fp) is None
     assert store.stats().corrupt == 1 and not path.exists()
 
 
-def test_truncated_blob_is_a_miss(tmp_path, blobs):
+@pytest.mark.parametrize("keep", [0, 5, 40, 0.5, -1],
+                         ids=["empty", "in-length-field", "in-header", "half", "last-byte-lost"])
+def test_truncated_blob_is_a_miss_and_removed(tmp_path, blobs, keep):
     fp, (a, *_) = blobs
     store = KVStore(tmp_path, memory_bytes=0)
     key = store.put(a)
     path = store.disk.path(key)
-    path.write_bytes(path.read_bytes()[: os.path.getsize(path) // 2])
-    assert store.get(key, fp) is None and store.stats().corrupt == 1
+    size = os.path.getsize(path)
+    path.write_bytes(path.read_bytes()[: int(size * keep) if isinstance(keep, float) else keep])
+    assert store.get(key, fp) is None
+    assert store.stats().corrupt == 1 and not path.exists()
 
 
 def test_blob_of_another_fingerprint_is_never_returned(tmp_path, blobs):
