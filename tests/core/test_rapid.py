@@ -1,7 +1,10 @@
 """RAPID on tiny random models: losslessness at η = 0 (greedy and sampled), cache rollback
-(invariant 5), the augmented distribution's tail rule, the prefix cache, and bad input."""
+(invariant 5), the augmented distribution against the reference code's law, the prefix cache, and
+bad input."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -243,7 +246,16 @@ def test_sampling_eta0_follows_target_distribution_and_wrong_rule_fails():
     assert worst < 1e-6
 
 
-def test_acceptance_rule_distribution_on_hand_made_laws():
+@pytest.fixture
+def one_thread():
+    """Per-token acceptance loops: one torch thread is ~10x faster than two on tiny tensors."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_acceptance_rule_distribution_on_hand_made_laws(one_thread):
     """One drafted token from q, verified against p: the output law is p (η = 0)."""
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     q = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -260,25 +272,112 @@ def test_acceptance_rule_distribution_on_hand_made_laws():
 
 
 # ---- the augmented distribution -----------------------------------------------------------------
+# RAPID's reference code (github.com/John-AI-Lab/RAPID, src/utils.py, `_speculative_sampling`):
+#     mask = q >= alpha * q.max();  logits = z - η * where(mask, p - q, 0);  p̂ = softmax(logits)
+# with alpha = 0.1. `law_p_hat` writes that law out token by token in float64; the tests compare
+# `augmented_probs` (vectorised, float32) with it.
 
-def test_augmented_distribution_tail_rule():
-    z = torch.tensor([3.0, 2.5, 1.0, -1.0, -2.0])
-    p = z.softmax(-1)
-    q = torch.tensor([0.05, 0.6, 0.05, 0.25, 0.05])
-    assert augmented_probs(z, p, q, 0.0) is p
-    eta = 2.0
-    raw = torch.softmax(z + eta * (q - p), -1)
-    tail = raw < 0.1 * raw.max()
-    assert tail.any() and (~tail).any()
-    got = augmented_probs(z, p, q, eta)
-    expected = torch.where(tail, p, raw)
-    expected = expected / expected.sum()
-    torch.testing.assert_close(got, expected)
-    # Tail tokens keep p's proportions; the head moves toward the drafter's choice.
-    scale = got[tail] / p[tail]
-    torch.testing.assert_close(scale, scale[:1].expand_as(scale))
-    assert got[1] > p[1]
-    assert abs(float(got.sum()) - 1) < 1e-6
+ALPHA = 0.1  # the reference code's `alpha`: the drafter's top set is q ≥ α·max q
+
+
+def law_p_hat(z: list[float], q: list[float], eta: float) -> list[float]:
+    """p̂ by the written law, one token at a time, in Python floats (float64)."""
+    z_max = max(z)
+    e = [math.exp(zk - z_max) for zk in z]  # exp(-inf) = 0: a token warped away stays away
+    p = [ek / sum(e) for ek in e]
+    q_max = max(q)
+    shifted = []
+    for zk, pk, qk in zip(z, p, q):
+        in_top_set = qk >= ALPHA * q_max
+        shifted.append(zk + eta * (qk - pk) if in_top_set else zk)
+    s_max = max(shifted)
+    e = [math.exp(sk - s_max) for sk in shifted]
+    return [ek / sum(e) for ek in e]
+
+
+def law_output(p: list[float], p_hat: list[float], q: list[float], residual: str) -> list[float]:
+    """The law of the token one verified position emits when the draft comes from q: accepted
+    x with probability min(q, p̂)(x), else a draw from the residual."""
+    accepted = [min(qk, hk) for qk, hk in zip(q, p_hat)]
+    if residual == "rapid":
+        r = [max(pk - hk, pk - qk, 0.0) for pk, hk, qk in zip(p, p_hat, q)]
+    else:
+        r = [max(hk - qk, 0.0) for hk, qk in zip(p_hat, q)]
+    reject = 1.0 - sum(accepted)
+    return [a + reject * rk / sum(r) for a, rk in zip(accepted, r)]
+
+
+def _law_cases():
+    """Target logits (some warped to -inf, as top-k does) and drafter distributions whose top
+    set is neither one token nor the whole vocabulary."""
+    cases = []
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(40, generator=g, dtype=torch.float64) * 2
+        z[torch.randperm(40, generator=g)[:5]] = float("-inf")
+        q_logits = torch.randn(40, generator=g, dtype=torch.float64) * (1 + seed)
+        cases.append((z, q_logits.softmax(-1)))
+    return cases
+
+
+@pytest.mark.parametrize("eta", [0.5, 2.0, 10.0])
+def test_augmented_distribution_follows_the_reference_law(eta):
+    for z, q in _law_cases():
+        top = q >= ALPHA * q.max()
+        assert 1 < int(top.sum()) < len(q)
+        expected = torch.tensor(law_p_hat(z.tolist(), q.tolist(), eta), dtype=torch.float64)
+        z32, q32 = z.float(), q.float()
+        got = augmented_probs(z32, z32.softmax(-1), q32, eta)
+        torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-5)
+        # the tail keeps the target's proportions: p̂ ∝ p outside the top set (and 0 stays 0)
+        p = z.softmax(-1)
+        tail = ~top & (p > 0)
+        ratio = expected[tail] / p[tail]
+        torch.testing.assert_close(ratio, ratio[:1].expand_as(ratio))
+        assert torch.equal(got[p == 0], torch.zeros_like(got[p == 0]))
+
+
+def test_augmented_distribution_on_a_batch_of_positions():
+    z = torch.stack([c[0] for c in _law_cases()]).float()
+    q = torch.stack([c[1] for c in _law_cases()]).float()
+    got = augmented_probs(z, z.softmax(-1), q, 3.0)
+    for row, (zr, qr) in zip(got, _law_cases()):
+        expected = torch.tensor(law_p_hat(zr.tolist(), qr.tolist(), 3.0))
+        torch.testing.assert_close(row, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_augmented_distribution_at_eta0_is_p_itself():
+    z, q = _law_cases()[0]
+    p = z.float().softmax(-1)
+    assert augmented_probs(z.float(), p, q.float(), 0.0) is p
+
+
+# A position where the target's favourite (token 0) is in the drafter's tail: the law leaves its
+# logit alone, so p̂ keeps it high; a shift applied to every token would push it down.
+P_HAND = [0.55, 0.25, 0.15, 0.05]
+Q_HAND = [0.01, 0.60, 0.04, 0.35]
+
+
+@pytest.mark.parametrize("residual", ["rapid", "standard"])
+def test_sampled_acceptance_with_eta_follows_the_written_law(residual, one_thread):
+    eta = 4.0
+    z = [math.log(x) for x in P_HAND]
+    p_hat = law_p_hat(z, Q_HAND, eta)
+    law = torch.tensor(law_output(P_HAND, p_hat, Q_HAND, residual))
+    if residual == "standard":
+        torch.testing.assert_close(law, torch.tensor(p_hat, dtype=law.dtype))  # follows p̂
+    q = torch.tensor(Q_HAND)
+    zt = torch.tensor([z, z])
+    config = GenerationConfig(temperature=1.0)
+    gen = torch.Generator().manual_seed(5)
+    n = 8000  # the law of a shift on every token differs by χ² ≈ 170 at this n
+    counts = torch.zeros(4)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+    for d in drafts.tolist():
+        v = accept_drafts([d], zt, q.log()[None], config, eta=eta, residual=residual,
+                          generator=gen)
+        counts[d if v.accepted else v.token] += 1
+    assert chisquare(counts.numpy(), (law * n).numpy()).pvalue > 1e-3
 
 
 def test_residual_reduces_to_standard_at_eta0():
@@ -296,6 +395,13 @@ def test_greedy_with_eta_uses_argmax_of_p_hat():
     config = GenerationConfig()
     assert accept_drafts([1], zt, zq, config, eta=0.0) == Verdict(0, 0)
     assert accept_drafts([1], zt, zq, config, eta=3.0) == Verdict(1, 2)
+    # the target's argmax (0) is in the drafter's tail: its logit does not move, so it stays the
+    # argmax of p̂ and the drafted 1 is rejected (a shift of every logit would have accepted it)
+    zt = torch.tensor([[1.0, 0.9, -5.0], [0.0, 0.0, 5.0]])
+    zq = torch.tensor([[0.0, math.log(50.0), math.log(49.0)]])  # q ≈ (0.01, 0.5, 0.49)
+    z, q = zt[0].tolist(), zq[0].softmax(-1).tolist()
+    assert max(range(3), key=law_p_hat(z, q, 1.0).__getitem__) == 0
+    assert accept_drafts([1], zt, zq, config, eta=1.0) == Verdict(0, 0)
 
 
 # ---- verification attention -------------------------------------------------------------------

@@ -4,17 +4,21 @@ Plain functions over logits and probabilities; nothing here runs a model or touc
 nothing above torch and the settings is imported, so the decode loop, self-speculation and RAPID
 all build on the same few lines.
 
-Acceptance (RAPID's retrieval-augmented target distribution, arXiv 2502.20330). With
-p = softmax(z/T) of the target and q of the drafter at one position:
+Acceptance (RAPID's retrieval-augmented target distribution, arXiv 2502.20330, η of its Eq. 6, as
+the authors' reference code builds it: `_speculative_sampling` in src/utils.py of
+github.com/John-AI-Lab/RAPID). With z = the target's warped logits, p = softmax(z) and q the
+drafter's distribution at one position, the drafter's top set is S = {k : q_k ≥ α·max q}
+(α = TAIL_RATIO = 0.1) and
 
-    p̂ = softmax(z/T + η(q − p));  wherever p̂_k < 0.1·max p̂, p̂_k ← p_k;  renormalise.
+    p̂ = softmax(z + η·(q − p)·1[k ∈ S])
 
-A drafted x is accepted with probability min(1, p̂(x)/q(x)); at the first rejection the token is
-drawn from norm(max(p − p̂, p − q, 0)) ("rapid" residual); if all γ are accepted a bonus token
-comes from p. With η = 0, p̂ = p and the residual is norm(max(p − q, 0)): standard speculative
-sampling, which is lossless (the output follows p exactly). `residual="standard"` draws from
-norm(max(p̂ − q, 0)) instead, which makes the output follow p̂ exactly for any η. Greedy (T = 0)
-accepts while the drafted token is the target's argmax (of p̂ at T = 1 when η > 0).
+(the logits of S move by η(q − p); every other logit stays the target's; no substitution after
+the softmax). A drafted x is accepted with probability min(1, p̂(x)/q(x)); at the first rejection
+the token is drawn from norm(max(p − p̂, p − q, 0)) ("rapid" residual); if all γ are accepted a
+bonus token comes from p. With η = 0, p̂ = p and the residual is norm(max(p − q, 0)): standard
+speculative sampling, which is lossless (the output follows p exactly). `residual="standard"`
+draws from norm(max(p̂ − q, 0)) instead, which makes the output follow p̂ exactly for any η.
+Greedy (T = 0) accepts while the drafted token is the target's argmax (of p̂ at T = 1 when η > 0).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 
 from ..settings import GenerationConfig
 
-TAIL_RATIO = 0.1  # p̂_k below this fraction of max p̂ is reset to p_k
+# α of the drafter's top set {k : q_k ≥ α·max q}: only those logits move by η(q − p); the
+# drafter's tail (below α·max q) keeps the target's logits. 0.1 is the reference code's `alpha`.
+TAIL_RATIO = 0.1
 
 
 def warp_logits(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
@@ -77,16 +83,16 @@ class Sampler:
 
 def augmented_probs(target_logits: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                     eta: float) -> torch.Tensor:
-    """p̂ = softmax(z + η(q − p)) with the tail rule; `target_logits` are z/T (already warped).
+    """p̂ = softmax(z + η(q − p) on the drafter's top set); `target_logits` are z (already warped,
+    so p = softmax(z)).
 
     Works on [..., vocab]. With η = 0 it returns p itself (exactly, not up to rounding).
     """
     if eta == 0:
         return p
-    p_hat = torch.softmax(target_logits + eta * (q - p), dim=-1)
-    tail = p_hat < TAIL_RATIO * p_hat.amax(-1, keepdim=True)
-    p_hat = torch.where(tail, p, p_hat)
-    return p_hat / p_hat.sum(-1, keepdim=True)
+    top = q >= TAIL_RATIO * q.amax(-1, keepdim=True)
+    shift = torch.where(top, eta * (q - p), torch.zeros_like(p))
+    return torch.softmax(target_logits + shift, dim=-1)
 
 
 def residual_probs(p: torch.Tensor, p_hat: torch.Tensor, q: torch.Tensor,
