@@ -29,7 +29,7 @@ from .prefill.segment import split_prompt
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
-from .store import KVStore
+from .store import KVStore, StoreWriteError
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +219,18 @@ class TurboRAGEngine:
         if blob is None and encode_missing:
             blob = encoder.encode(text)
             # A prompt head is written per query: the store bounds such blobs apart from chunks.
-            self.store.put(blob, kind="prefix" if encoder is self.prefix_encoder else "chunk")
+            self.keep(blob, kind="prefix" if encoder is self.prefix_encoder else "chunk")
         return blob
+
+    def keep(self, blob: KVBlob, *, kind: str = "chunk") -> None:
+        """Store a blob made while answering. A store that cannot take it (a full disk, a
+        read-only folder) costs the cache, never the answer: the KV is already computed, so
+        the failure is logged and the query goes on."""
+        try:
+            self.store.put(blob, kind=kind)
+        except StoreWriteError as exc:
+            log.warning("KV blob %s not stored, the answer goes on without caching it: %s",
+                        blob.key[:12], exc)
 
     # ---- prompts ----------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
@@ -276,7 +286,10 @@ class TurboRAGEngine:
         plan = plan_prompt(segments, self.tokenizer, positions=positions or self.positions,
                            fingerprint=self.fingerprint, context_window=self.context_window)
         room = self.context_window - plan.next_position
-        return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room) + 1,
+        # One slot per new token, none past the window: `prefill` also counts these as positions
+        # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,
+        # so decoding writes fewer; drafts stay within the new tokens).
+        return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room),
                        pool=self.cache_pool, recovery=parse_recovery(recovery))
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),

@@ -313,3 +313,34 @@ def test_a_fine_tuned_model_never_reads_the_base_models_blobs(tmp_path):
     store.put(tuned)
     assert torch.equal(store.get(base_key, base_fp).keys, base.keys)  # the base model keeps its own
     assert torch.equal(store.get(tuned.key, tuned_fp).keys, tuned.keys)
+
+
+def test_a_full_disk_costs_the_cache_not_the_answer(tmp_path, caplog):
+    """A query whose chunk and prompt-head blobs cannot be written still gets its answer (the
+    KV is computed already), with a warning, and the same answer as with room on the disk."""
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.settings import GenerationConfig
+    from tests.conftest import tiny_model
+
+    loaded = tiny_model("llama")
+    chunks = ["Alice was born in Paris in 1901. " * 4, "Bob keeps three red bicycles. " * 4]
+    prompt = "Answer from the notes.\n" + "".join(chunks) + "\nQ: where was Alice born?\nA:"
+    config = GenerationConfig(max_new_tokens=12)
+    expected = TurboRAGEngine(loaded, store=tmp_path / "roomy", progress=False).generate(
+        prompt, chunks=chunks, config=config)
+    with small_disk(tmp_path / "full", "64k") as mnt:
+        # Budgets above the disk's size, so that the disk, not a budget, says no.
+        store = KVStore(mnt / "kv", disk_bytes="1GiB", prefix_bytes="1GiB")
+        engine = TurboRAGEngine(loaded, store=store, progress=False)
+        with open(mnt / "filler", "wb", buffering=0) as filler:  # fill it to the last byte
+            try:
+                while True:
+                    filler.write(b"\0" * 512)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        with caplog.at_level(logging.WARNING):
+            got = engine.generate(prompt, chunks=chunks, config=config)
+        assert got.token_ids == expected.token_ids
+        assert "not stored, the answer goes on without caching it" in caplog.text
+        assert "disk is full" in caplog.text
+        engine.store.close()

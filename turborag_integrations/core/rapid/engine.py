@@ -293,7 +293,7 @@ class RapidEngine:
         if engine is self.target:
             self._prefix = (key, blob)
         if self._native_store(engine):
-            engine.store.put(blob, kind="prefix")  # bounded apart from the chunk blobs
+            engine.keep(blob, kind="prefix")  # bounded apart from the chunk blobs
 
     def drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
                         reserve: int) -> Prefill:
