@@ -50,6 +50,20 @@ def tiny_model(model_type: str = "llama", *, rope_parameters=None, seed: int = 0
     # cache shows up as a different token rather than a tie.
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
+        # Qwen2 has q/k/v biases, which the random init leaves at zero: a path that dropped or
+        # misplaced them (before RoPE, in the fast decoder's fused projections, in the int8 and
+        # bf16 copies) would go unseen. Real Qwen2 q/k biases are large, so these are not small
+        # beside the projections (≈0.2 here). The v bias stays small: it adds the same vector to
+        # every attention output, and a large one makes every prompt give the same answer.
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj, std in ((attn.q_proj, 0.5), (attn.k_proj, 0.5), (attn.v_proj, 0.05)):
+                if proj.bias is not None:
+                    proj.bias.normal_(0.0, std)
+    if model_type == "qwen2":
+        assert all(proj.bias.abs().min() > 0 for layer in model.model.layers
+                   for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                layer.self_attn.v_proj))
     return LoadedModel(name=f"tiny-{model_type}-{seed}", model=model, tokenizer=tokenizer,
                        source="memory")
 

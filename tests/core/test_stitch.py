@@ -131,10 +131,14 @@ def test_positions_reordered_and_composite(tiny_llama):
     reordered = plan_prompt(segs, tiny_llama.tokenizer)
     assert reordered.positions == list(range(2 + n0 + 1 + n1 + 2))
     composite = plan_prompt(segs, tiny_llama.tokenizer, positions="composite")
-    top = max(3, n0 + 1)
     assert composite.positions == ([0, 1] + list(range(n0)) + [max(2, n0)] + list(range(n1))
                                    + [max(max(2, n0) + 1, n1), max(max(2, n0) + 1, n1) + 1])
-    assert top  # composite restarts every chunk at 0
+    # The rule: every chunk restarts at 0; other tokens continue one past the largest position
+    # before them. Chunk 1 ends below "c", so "de" follows "c", not chunk 1.
+    assert n1 < n0 + 1
+    pos = composite.positions
+    assert pos[2:2 + n0] == list(range(n0)) and pos[3 + n0:3 + n0 + n1] == list(range(n1))
+    assert pos[2 + n0] == max(pos[:2 + n0]) + 1 and pos[-2] == max(pos[:-2]) + 1
 
 
 @pytest.mark.parametrize("prompt, chunks", [

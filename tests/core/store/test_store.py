@@ -8,6 +8,7 @@ import torch
 from turborag_integrations.core.prefill.blob import ChunkEncoder, fingerprint_model
 from turborag_integrations.core.store import KVStore
 from tests.conftest import tiny_model
+from tests.core.store.bounds import KEY_GROUP, assert_within_storage_bound
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +139,35 @@ def test_prefetch_loads_into_memory(tmp_path, blobs):
     assert all(k in store.memory for k in keys)
 
 
-@pytest.mark.parametrize("storage_dtype, atol", [("bfloat16", 0.05), ("float16", 0.01), ("int8", 0.1)])
-def test_storage_dtypes_decode_to_model_dtype(tmp_path, blobs, storage_dtype, atol):
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "float16", "int8"])
+def test_storage_dtypes_decode_to_model_dtype(tmp_path, blobs, storage_dtype):
     fp, (a, *_) = blobs
     store = KVStore(tmp_path, memory_bytes=0, storage_dtype=storage_dtype)
     got = store.get(store.put(a), fp)
     assert got.keys.dtype == a.keys.dtype
-    torch.testing.assert_close(got.keys, a.keys, atol=atol * a.keys.abs().max().item(), rtol=0)
-    torch.testing.assert_close(got.values, a.values, atol=atol * a.values.abs().max().item(), rtol=0)
+    # within the codec's own error bound, element by element (tests/core/store/bounds.py)
+    assert_within_storage_bound(got.keys, a.keys, storage_dtype, "keys")
+    assert_within_storage_bound(got.values, a.values, storage_dtype, "values")
+    assert not torch.equal(got.keys, a.keys)  # it was stored in reduced precision
     native = KVStore(tmp_path / "n", memory_bytes=0)
     native.put(a)
     assert store.disk_usage()["bytes"] < native.disk_usage()["bytes"]
+
+
+def test_int8_key_groups_span_many_tokens(tmp_path):
+    """Keys of more than one 64-token group (the last one partial) stay within the bound of
+    their own group; the bound's grouping is the codec's."""
+    from turborag_integrations.core.prefill.blob import Fingerprint, KVBlob
+    from turborag_integrations.core.store import codec
+
+    assert KEY_GROUP == codec.KEY_GROUP
+    fp = Fingerprint(model="m", config="c", weights="w", tokenizer="t", dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 150, 16, generator=g)
+    keys[:, :, 64:128] *= 20  # a group of large keys must not loosen the others' bound
+    values = torch.randn(2, 2, 150, 16, generator=g) * torch.linspace(0.01, 10, 150)[:, None]
+    blob = KVBlob(torch.arange(150), keys, values, fp)
+    store = KVStore(tmp_path, memory_bytes=0, storage_dtype="int8")
+    got = store.get(store.put(blob), fp)
+    assert_within_storage_bound(got.keys, keys, "int8", "keys")
+    assert_within_storage_bound(got.values, values, "int8", "values")
