@@ -11,8 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (plus specials)."""
+def byte_tokenizer(merges: tuple[tuple[str, str], ...] = ()):
+    """A byte-level BPE tokenizer: every UTF-8 byte is one token (plus specials), except the pairs
+    in `merges` (byte-level symbols, e.g. ("Ġ", "Ċ") for a space and a newline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,7 +21,9 @@ def byte_tokenizer():
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     for special in ("<s>", "</s>", "<pad>"):
         vocab[special] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
@@ -31,15 +34,15 @@ def byte_tokenizer():
 
 
 def tiny_model(model_type: str = "llama", *, rope_parameters=None, seed: int = 0, layers: int = 2,
-               dtype=torch.float32, attn: str = "sdpa"):
+               dtype=torch.float32, attn: str = "sdpa", merges=(), context_window: int = 2048):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from turborag_integrations.core.models import LoadedModel
 
-    tokenizer = byte_tokenizer()
+    tokenizer = byte_tokenizer(merges)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
+                  max_position_embeddings=context_window, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     if rope_parameters:
         common["rope_parameters"] = rope_parameters

@@ -159,7 +159,12 @@ def test_evaluate_tiny_model(tmp_path):
     for name, m in res["modes"].items():
         assert m["n"] == 2 and {"contains", "em", "f1", "ttft_s", "agreement",
                                 "reused_fraction"} <= set(m)
-    assert res["modes"]["naive"]["agreement"] == 100 and res["modes"]["naive"]["reused_fraction"] == 0
+    # naive is the reference: no agreement with itself, shown as "—"
+    assert res["modes"]["naive"]["agreement"] is None and res["modes"]["naive"]["reused_fraction"] == 0
+    assert all(res["modes"][m]["agreement"] is not None for m in modes[1:])
+    assert "| naive | " in markdown_table(res)
+    naive_line = next(l for l in markdown_table(res).splitlines() if l.startswith("| naive |"))
+    assert naive_line.split("|")[7].strip() == "—"
     assert res["modes"]["turbo"]["reused_fraction"] > res["modes"]["turbo+boundary:4"]["reused_fraction"] > 0
     assert len(res["answers"]) == 2 * len(modes)
     notes = write_results(res, tmp_path / "out", png=True)
@@ -178,10 +183,55 @@ def test_finetuned_modes_agree_with_their_own_naive_reply(tmp_path):
                              "chunks": ["Tamsin did.", "Orrin not."]}))
     res = evaluate(base, load_items(p).items, ["ft:turbo+boundary:100000", "naive", "ft:naive"],
                    max_new_tokens=6, ft_engine=other)
-    assert res["modes"]["ft:naive"]["agreement"] == 100
+    assert res["modes"]["ft:naive"]["agreement"] is None  # the references
+    assert res["modes"]["naive"]["agreement"] is None
     # recomputing every chunk token is a full prefill: the same reply as ft:naive
     assert res["modes"]["ft:turbo+boundary:100000"]["agreement"] == 100
-    assert res["modes"]["naive"]["agreement"] == 100
+    assert [r["mode"] for r in res["answers"] if "agrees_with_naive" in r] == [
+        "ft:turbo+boundary:100000"]
+
+
+def test_an_item_skipped_in_one_mode_is_skipped_in_every_mode(tmp_path):
+    """Chunks ending in a space: inside the whole prompt " \n" is one token (the tokenizer merges
+    it); stitched, each chunk ends with " " and the text after it starts with "\n", one token more
+    per chunk. With the window one token past the whole prompt, naive answers the item and the
+    stitched prompt does not fit: the item must then count in neither mode."""
+    from turborag_integrations.core.prefill.segment import split_prompt
+    from turborag_integrations.evaluation.prompt import build_prompt
+    from tests.conftest import byte_tokenizer
+
+    merges = (("Ġ", "Ċ"),)
+    rows = [{"id": "fits", "question": "Who?", "answers": ["Tamsin"],
+             "chunks": ["Tamsin did.", "Orrin not."]},
+            {"id": "edge", "question": "Who did it then?", "answers": ["Tamsin"],
+             "chunks": ["Tamsin did ", "Orrin not "]}]
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    items = load_items(p).items
+    tok = byte_tokenizer(merges)
+    n = {}
+    for it in items:
+        prompt, texts = build_prompt(tok, it.question, it.chunks)
+        n[it.id] = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        stitched = sum(len(tok(t, add_special_tokens=False)["input_ids"])
+                       for t, _ in split_prompt(prompt, texts))
+        assert stitched - n[it.id] == (2 if it.id == "edge" else 0)
+    assert n["fits"] < n["edge"]
+    engine = TurboRAGEngine(tiny_model("llama", merges=merges, context_window=n["edge"] + 1),
+                            store=tmp_path / "kv")
+    res = evaluate(engine, items, ["naive", "turbo"], max_new_tokens=1)
+    assert [s["id"] for s in res["skipped"]] == ["edge"]
+    assert res["modes"]["naive"]["n"] == res["modes"]["turbo"]["n"] == 1
+    assert sorted((r["mode"], r["id"]) for r in res["answers"]) == [("naive", "fits"),
+                                                                     ("turbo", "fits")]
+    reason = res["skipped"][0]["reason"]
+    assert reason.startswith("turbo: ") and f"context window of {n['edge'] + 1}" in reason
+
+
+def test_a_mode_named_twice_is_refused(tmp_path):
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    with pytest.raises(ValueError, match="named twice"):
+        evaluate(engine, [], ["naive", "turbo", "naive"])
 
 
 def test_evaluation_never_imports_training():

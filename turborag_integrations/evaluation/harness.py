@@ -9,7 +9,8 @@ keys are ignored. For each mode every item is answered greedily and scored:
 - contains: a normalised answer occurs in the normalised reply (whole words), answerable items
 - em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
 - agreement: the reply equals (normalised) the `naive` reply of the same model on that item
-  (`ft:naive` for the fine-tuned modes)
+  (`ft:naive` for the fine-tuned modes); None for `naive` and `ft:naive` themselves, the
+  references
 - ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
@@ -18,6 +19,11 @@ either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), wit
 other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
 prompt's own head, known at ingestion here), and every mode of a fine-tuned model, prefixed "ft:"
 ("ft:turbo", "ft:naive").
+
+Every mode averages the same items: an item that does not fit the context window of one mode
+(the prompt's check before any generation, or a stitched prompt that tokenizes longer than the
+whole one) is skipped in every mode, listed under "skipped" with the reason, and none of its
+replies is counted or written.
 """
 
 from __future__ import annotations
@@ -146,6 +152,11 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
              limit: int | None = None) -> dict:
     """Run every mode over the items; return {"modes": {...}, "answers": [...], "skipped": [...]}."""
     specs = [ModeSpec.parse(m) for m in modes]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a mode is named twice in {names}")
+    # the naive modes first, so every other mode can be compared with its own model's naive reply
+    specs.sort(key=lambda s: s.mode != "naive")
     if any(s.finetuned for s in specs) and ft_engine is None:
         raise ValueError("ft: modes need a fine-tuned model (ft_engine)")
     items = list(items)[:limit] if limit else list(items)
@@ -178,21 +189,21 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 e.encode_chunks(chunks)  # ingestion: not part of TTFT
         eng.warmup()
     todo = [it for it in items if it.id not in skipped]
-    answers: list[dict] = []
-    per_mode: dict[str, dict] = {}
+    rows_of: dict[str, list[dict]] = {}
     naive_reply: dict[tuple[bool, str], str] = {}
-    # the naive modes first, so every other mode can be compared with its own model's naive reply
-    for spec in sorted(specs, key=lambda s: (s.mode != "naive" or s.recovery is not None,)):
+    for spec in specs:
         eng = engines[spec]
-        rows = []
+        rows = rows_of[spec.name] = []
         for i, it in enumerate(todo):
+            if it.id in skipped:  # did not fit an earlier mode: out of every mode
+                continue
             prompt, texts = prepared[spec.finetuned][it.id]
             try:
                 res = eng.generate(prompt, chunks=texts if spec.mode == "turbo" else (),
                                    config=config, mode=spec.mode, positions=spec.positions,
                                    recovery=spec.recovery)
             except ContextWindowError as exc:
-                skipped[it.id] = str(exc)
+                skipped[it.id] = f"{spec.name}: {exc}"
                 continue
             text = res.text.strip()
             st = res.stats
@@ -206,39 +217,48 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                    "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                    "new_tokens": st.new_tokens}
             key = (spec.finetuned, it.id)
-            if spec.mode == "naive" and spec.recovery is None:
+            if spec.mode == "naive":  # the reference: its agreement with itself says nothing
                 naive_reply[key] = normalize(text)
-            if key in naive_reply:
+            elif key in naive_reply:
                 row["agrees_with_naive"] = float(normalize(text) == naive_reply[key])
             rows.append(row)
             if progress:
                 progress(spec.name, i + 1, len(todo))
+    # An item a later mode skipped is dropped from the earlier modes too.
+    answers: list[dict] = []
+    per_mode: dict[str, dict] = {}
+    for spec in specs:
+        rows = [r for r in rows_of[spec.name] if r["id"] not in skipped]
         answers.extend(rows)
-        n = len(rows) or 1
-        agree = [r["agrees_with_naive"] for r in rows if "agrees_with_naive" in r]
-        ans = [r for r in rows if not r["unanswerable"]]
-        una = [r for r in rows if r["unanswerable"]]
-        na = len(ans) or 1
-        per_mode[spec.name] = {
-            "n": len(rows),
-            "n_unanswerable": len(una),
-            "correct": 100 * sum(r["correct"] for r in rows) / n,
-            "contains": 100 * sum(r["contains"] for r in ans) / na,
-            "em": 100 * sum(r["em"] for r in ans) / na,
-            "f1": 100 * sum(r["f1"] for r in ans) / na,
-            "refused_unanswerable": (100 * sum(r["refused"] for r in una) / len(una)
-                                     if una else None),
-            "refused_answerable": 100 * sum(r["refused"] for r in ans) / na,
-            "agreement": 100 * sum(agree) / len(agree) if agree else None,
-            "ttft_s": _median([r["ttft_s"] for r in rows]),
-            "reused_fraction": sum(r["reused_tokens"] / r["prompt_tokens"] for r in rows) / n,
-            "prompt_tokens": _median([r["prompt_tokens"] for r in rows]),
-        }
+        per_mode[spec.name] = _summary(rows)
     naive_ttft = per_mode.get("naive", {}).get("ttft_s")
     for m in per_mode.values():
         m["speedup_vs_naive"] = (naive_ttft / m["ttft_s"]) if naive_ttft and m["ttft_s"] else None
     return {"modes": per_mode, "answers": answers,
             "skipped": [{"id": k, "reason": v} for k, v in skipped.items()]}
+
+
+def _summary(rows: list[dict]) -> dict:
+    n = len(rows) or 1
+    agree = [r["agrees_with_naive"] for r in rows if "agrees_with_naive" in r]
+    ans = [r for r in rows if not r["unanswerable"]]
+    una = [r for r in rows if r["unanswerable"]]
+    na = len(ans) or 1
+    return {
+        "n": len(rows),
+        "n_unanswerable": len(una),
+        "correct": 100 * sum(r["correct"] for r in rows) / n,
+        "contains": 100 * sum(r["contains"] for r in ans) / na,
+        "em": 100 * sum(r["em"] for r in ans) / na,
+        "f1": 100 * sum(r["f1"] for r in ans) / na,
+        "refused_unanswerable": (100 * sum(r["refused"] for r in una) / len(una)
+                                 if una else None),
+        "refused_answerable": 100 * sum(r["refused"] for r in ans) / na,
+        "agreement": 100 * sum(agree) / len(agree) if agree else None,
+        "ttft_s": _median([r["ttft_s"] for r in rows]),
+        "reused_fraction": sum(r["reused_tokens"] / r["prompt_tokens"] for r in rows) / n,
+        "prompt_tokens": _median([r["prompt_tokens"] for r in rows]),
+    }
 
 
 def markdown_table(results: dict) -> str:
