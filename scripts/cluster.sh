@@ -8,8 +8,10 @@
 #
 # Ports: REDIS_PORT (6390), CHROMA_PORT (8300), first worker WORKER_PORT (8100, then +1 ...).
 # Workers: MAX_BATCH (requests decoded together, default 8), MAX_QUEUE (waiting requests before
-# a 429, default 64), MODE (turbo, or naive for the baseline); TURBORAG_API_KEY, when set, is
-# required by every worker's /v1/ endpoints.
+# a 429, default 64), MODE (turbo, or naive for the baseline), THREADS (torch threads per
+# worker, default: the machine's cores split between the workers, at least 1: workers that
+# each take every core fight over them); TURBORAG_API_KEY, when set, is required by every
+# worker's /v1/ endpoints.
 # Each worker keeps its own disk tier under .cluster/kv-<i>; blobs one worker encodes reach the
 # others through Redis. Needs redis-server (apt install redis-server) and the [server,redis]
 # extras. Nothing listens beyond 127.0.0.1 (Redis and Chroma have no authentication).
@@ -44,12 +46,14 @@ up() {
     > "$RUN/chroma.log" 2>&1 &
   echo $! > "$RUN/chroma.pid"
   wait_for "http://127.0.0.1:$CHROMA_PORT/api/v2/heartbeat" "Chroma"
+  local threads=${THREADS:-$(( $(nproc) / n ))}
+  [ "$threads" -ge 1 ] || threads=1
   for i in $(seq 0 $((n - 1))); do
     port=$((WORKER_PORT + i))
-    TURBORAG_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0" \
+    TURBORAG_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0" OMP_NUM_THREADS="$threads" \
       "$PY" -m turborag_integrations.cli serve --host 127.0.0.1 --port "$port" \
       --store "$RUN/kv-$i" --max-batch "$MAX_BATCH" --max-queue "$MAX_QUEUE" --mode "$MODE" \
-      > "$RUN/worker-$i.log" 2>&1 &
+      --threads "$threads" > "$RUN/worker-$i.log" 2>&1 &
     echo $! > "$RUN/worker-$i.pid"
   done
   for i in $(seq 0 $((n - 1))); do
@@ -57,7 +61,9 @@ up() {
   done
   echo "redis:   redis://127.0.0.1:$REDIS_PORT/0"
   echo "chroma:  http://127.0.0.1:$CHROMA_PORT   (--chroma-url / TURBORAG_CHROMA_URL)"
-  for i in $(seq 0 $((n - 1))); do echo "worker:  http://127.0.0.1:$((WORKER_PORT + i))/v1"; done
+  for i in $(seq 0 $((n - 1))); do
+    echo "worker:  http://127.0.0.1:$((WORKER_PORT + i))/v1   (torch threads: $threads)"
+  done
 }
 
 down() {

@@ -277,6 +277,10 @@ def serve(
                                           help="require `Authorization: Bearer KEY` on /v1/ "
                                           "(prefer the env var: a command line is visible to "
                                           "other users)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1,
+                                          help="CPU threads for the model (default: one per "
+                                          "core); workers sharing a machine should split its "
+                                          "cores (scripts/cluster.sh does)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -302,7 +306,7 @@ def serve(
     try:
         run_server(model=model, store=store, host=host, port=port, adapter=adapter, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
-                   api_key=api_key)
+                   api_key=api_key, threads=threads)
     except TurboRAGError as exc:
         _fail(str(exc))
 

@@ -3,6 +3,7 @@ warms it up on the batch scheduler's thread, and runs uvicorn."""
 
 import threading
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 from typer.testing import CliRunner
@@ -12,7 +13,7 @@ from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "adapter": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
-            "max_body_bytes": 8 * 2**20, "api_key": None}
+            "max_body_bytes": 8 * 2**20, "api_key": None, "threads": None}
 
 
 def test_serve_options_reach_the_server(monkeypatch):
@@ -25,11 +26,11 @@ def test_serve_options_reach_the_server(monkeypatch):
     assert calls == [DEFAULTS]
     result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
-                                 "--max-body-bytes", "1MiB", "--api-key", "k1"])
+                                 "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert {**calls[1], "store": str(calls[1]["store"])} == {
         **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
-        "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1"}
+        "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1}
     result = runner.invoke(cli, ["serve"], env={"TURBORAG_API_KEY": "k2"})
     assert result.exit_code == 0 and calls[2]["api_key"] == "k2"
 
@@ -43,7 +44,7 @@ def test_serve_refuses_bad_options(monkeypatch):
                        (["--api-key", ""], "--api-key is empty")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
-    for args in (["--max-batch", "0"], ["--max-queue", "0"]):
+    for args in (["--max-batch", "0"], ["--max-queue", "0"], ["--threads", "0"]):
         assert runner.invoke(cli, ["serve", *args]).exit_code == 2
 
 
@@ -56,13 +57,19 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
 
     monkeypatch.setattr(server_app, "TurboRAGEngine", load)
     monkeypatch.setattr(engine, "close", lambda: ran.append("close"))  # the fixture's engine
-    monkeypatch.setattr(engine, "warmup", lambda: ran.append(threading.current_thread().name))
+    monkeypatch.setattr(engine, "warmup", lambda: ran.append(
+        (threading.current_thread().name, torch.get_num_threads())))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.append((app, kwargs)))
-    server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k")
+    before = torch.get_num_threads()
+    try:
+        server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k", threads=1)
+    finally:
+        torch.set_num_threads(before)
     (model, store, adapter, loader), = made
     assert (model, store, adapter) == ("m", "kv", "default")
     assert loader is not threading.current_thread() and not loader.is_alive()
-    assert ran[0] == "turborag-batch"  # warmed up on the scheduler's thread
+    # warmed up on the scheduler's thread, which runs torch with the threads asked for
+    assert ran[0] == ("turborag-batch", 1)
     app, kwargs = ran[1]
     assert isinstance(app, FastAPI) and app.state.scheduler.max_batch == 3
     assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 9000
