@@ -86,3 +86,21 @@ def smollm2():
     from turborag_integrations.core.models import load_model
 
     return load_model("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny llama saved to a folder: a local-folder model for the command line and Workspace."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    loaded = tiny_model("llama")
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def write_docs(folder, files: dict[str, str]):
+    """`files` (name → text) written into a new folder; returns the folder."""
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import tiny_model
+from tests.conftest import write_docs
 from tests.langchain.conftest import cached_tiny_engine
 from tests.langchain.helpers import PROMPT, format_docs, sample_paragraphs
 from tests.llama_index.conftest import DOCS as LI_DOCS
@@ -217,22 +217,9 @@ def test_langchain_store_refuses_a_folder_and_a_server_together(tmp_path):
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_model("llama")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture
 def docs(tmp_path):
-    folder = tmp_path / "docs"
-    folder.mkdir()
-    for name, text in CLI_DOCS.items():
-        (folder / name).write_text(text)
-    return folder
+    return write_docs(tmp_path / "docs", CLI_DOCS)
 
 
 def run(*args, env: dict | None = None):

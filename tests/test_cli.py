@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from turborag_integrations.cli import app
-from tests.conftest import tiny_model
+from tests.conftest import write_docs
 
 runner = CliRunner()
 DOCS = {
@@ -17,22 +17,9 @@ DOCS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    loaded = tiny_model("llama")
-    loaded.model.save_pretrained(folder)
-    loaded.tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture
 def docs(tmp_path):
-    folder = tmp_path / "docs"
-    folder.mkdir()
-    for name, text in DOCS.items():
-        (folder / name).write_text(text)
-    return folder
+    return write_docs(tmp_path / "docs", DOCS)
 
 
 def run(*args):

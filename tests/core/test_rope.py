@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from tests.core.test_stitch import ANCHOR, LAYOUTS, build
+from tests.core.test_stitch import (ANCHOR, LAYOUTS, assert_cache_equals_masked_forward,
+                                    assert_logits_equal_masked_forward, build)
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import UnsupportedRopeError
 from turborag_integrations.core.prefill.rope import KeyRotator
-from turborag_integrations.core.prefill.stitch import (independent_attention_mask, plan_prompt,
-                                                       prefill, reference_forward)
+from turborag_integrations.core.prefill.stitch import plan_prompt, prefill
 from turborag_integrations.core.settings import GenerationConfig
 
 # YaRN with its default attention factor, 0.1·ln(4) + 1 ≈ 1.14: transformers multiplies cos and
@@ -82,13 +82,8 @@ def test_yarn_attention_factor_is_in_the_cached_keys():
 def test_yarn_stitched_logits_equal_full_prefill(model_type, layout, positions, anchor):
     """Invariant 2 on a YaRN model: the stitched prompt's logits equal one forward over the whole
     prompt under the independent-attention mask."""
-    loaded = tiny_model(model_type, rope_parameters=YARN)
-    fp, segs = build(loaded, LAYOUTS[layout], anchor)
-    plan = plan_prompt(segs, loaded.tokenizer, positions=positions, fingerprint=fp)
-    stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True)
-    anchor_ids = loaded.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
-    reference = reference_forward(loaded.model, plan, anchor_ids)[plan.plain_index]
-    torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
+    assert_logits_equal_masked_forward(tiny_model(model_type, rope_parameters=YARN), layout,
+                                       positions, anchor)
 
 
 def test_yarn_stitched_cache_equals_full_prefill_cache():
@@ -99,18 +94,7 @@ def test_yarn_stitched_cache_equals_full_prefill_cache():
     plan = plan_prompt(segs, loaded.tokenizer, fingerprint=fp)
     assert all(s.position_start > 0 for s in plan.spans)  # every chunk is re-rotated
     stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model))
-    n = len(plan.token_ids)
-    spans = [(s.prompt_start, s.blob.num_tokens) for s in plan.spans]
-    additive = torch.zeros(n, n).masked_fill_(~independent_attention_mask(n, spans),
-                                              torch.finfo(torch.float32).min)
-    with torch.inference_mode():
-        out = loaded.model(input_ids=torch.tensor([plan.token_ids]),
-                           position_ids=torch.tensor([plan.positions]),
-                           attention_mask=additive[None, None], use_cache=True)
-    order = [i for s, l in spans for i in range(s, s + l)] + plan.plain_index
-    for got, want in zip(stitched.cache.layers, out.cache.layers):
-        torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
-        torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
+    assert_cache_equals_masked_forward(loaded, plan, stitched)
 
 
 def test_longrope_is_refused_with_the_reason():

@@ -36,21 +36,46 @@ LAYOUTS = {
 }
 
 
+def assert_logits_equal_masked_forward(loaded, layout: str, positions: str, anchor: str):
+    """Stitch LAYOUTS[layout] and check its logits against one forward over the whole prompt
+    under the independent-attention mask; returns the plan."""
+    fp, segs = build(loaded, LAYOUTS[layout], anchor)
+    plan = plan_prompt(segs, loaded.tokenizer, positions=positions, fingerprint=fp)
+    stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True)
+    anchor_ids = loaded.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
+    reference = reference_forward(loaded.model, plan, anchor_ids)[plan.plain_index]
+    torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
+    return plan
+
+
 @pytest.mark.parametrize("anchor", ["", ANCHOR, "<s>"])
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_stitched_logits_equal_independent_attention_forward(tiny, layout, positions, anchor):
     """Invariant 2, for every chunk encoding: each chunk sees only itself (and the anchor it was
     encoded after, which nothing else sees); every other token sees all before it."""
-    fp, segs = build(tiny, LAYOUTS[layout], anchor)
-    plan = plan_prompt(segs, tiny.tokenizer, positions=positions, fingerprint=fp)
-    stitched = prefill(tiny.model, plan, KeyRotator.for_model(tiny.model), all_logits=True)
-    anchor_ids = tiny.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
-    reference = reference_forward(tiny.model, plan, anchor_ids)[plan.plain_index]
-    torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
+    plan = assert_logits_equal_masked_forward(tiny, layout, positions, anchor)
     used = [CHUNKS[x] for x in LAYOUTS[layout] if isinstance(x, int)]
     assert plan.reused_tokens == sum(len(tiny.tokenizer(c, add_special_tokens=False)["input_ids"])
                                      for c in used)
+
+
+def assert_cache_equals_masked_forward(loaded, plan, stitched) -> None:
+    """Every key and value of a stitched cache equals the one a full forward under the
+    independent-attention mask computes at the same position (chunks first, then plain tokens,
+    the stitched cache's order)."""
+    n = len(plan.token_ids)
+    spans = [(s.prompt_start, s.blob.num_tokens) for s in plan.spans]
+    mask = independent_attention_mask(n, spans)
+    additive = torch.zeros(n, n).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        out = loaded.model(input_ids=torch.tensor([plan.token_ids]),
+                           position_ids=torch.tensor([plan.positions]),
+                           attention_mask=additive[None, None], use_cache=True)
+    order = [i for s, l in spans for i in range(s, s + l)] + plan.plain_index
+    for got, want in zip(stitched.cache.layers, out.cache.layers):
+        torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
 
 
 def test_stitched_cache_equals_reference_cache(tiny_llama):
@@ -58,18 +83,7 @@ def test_stitched_cache_equals_reference_cache(tiny_llama):
     fp, segs = build(tiny_llama, LAYOUTS["prefix_glue_chunks"])
     plan = plan_prompt(segs, tiny_llama.tokenizer, fingerprint=fp)
     stitched = prefill(tiny_llama.model, plan, KeyRotator.for_model(tiny_llama.model))
-    n = len(plan.token_ids)
-    spans = [(s.prompt_start, s.blob.num_tokens) for s in plan.spans]
-    mask = independent_attention_mask(n, spans)
-    additive = torch.zeros(n, n).masked_fill_(~mask, torch.finfo(torch.float32).min)
-    with torch.inference_mode():
-        out = tiny_llama.model(input_ids=torch.tensor([plan.token_ids]),
-                               position_ids=torch.tensor([plan.positions]),
-                               attention_mask=additive[None, None], use_cache=True)
-    order = [i for s, l in spans for i in range(s, s + l)] + plan.plain_index
-    for got, want in zip(stitched.cache.layers, out.cache.layers):
-        torch.testing.assert_close(got.keys[0], want.keys[0][:, order], atol=1e-4, rtol=0)
-        torch.testing.assert_close(got.values[0], want.values[0][:, order], atol=1e-4, rtol=0)
+    assert_cache_equals_masked_forward(tiny_llama, plan, stitched)
 
 
 def test_chunk_right_after_its_anchor_equals_a_full_prefill(tiny):
