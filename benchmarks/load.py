@@ -11,7 +11,9 @@ finds them already encoded). Prints requests/s, aggregate decode tokens/s, and p
 time to the first content token and of the whole request; `--json` prints one JSON object.
 Loopback only: a URL that is not 127.0.0.1/localhost/[::1] is refused. Greedy decoding; with
 `--check`, each distinct prompt is first answered alone, and every answer under load must equal
-it (the count of those that differ is reported as `mismatches`).
+it (the count of those that differ is reported as `mismatches`). The bundled model ends these
+answers after a few tokens; `--ignore-eos` makes each run to `--max-tokens`, so that the check
+compares every token a request may decode.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def request_of(i: int, texts: list[str], n_chunks: int) -> tuple[list[str], str]
 
 
 def run(urls: list[str], model: str, clients: int, requests: int, duration: float,
-        n_chunks: int, max_tokens: int, reference: dict[int, str] | None = None) -> dict:
+        n_chunks: int, max_tokens: int, reference: dict[int, str] | None = None,
+        extra: dict | None = None) -> dict:
     texts = chunk_texts(max(n_chunks * 2, 8))
     results: list[dict] = []
     lock = threading.Lock()
@@ -143,7 +146,7 @@ def run(urls: list[str], model: str, clients: int, requests: int, duration: floa
                 chunks, question = request_of(i, texts, n_chunks)
                 try:
                     res = one_request(client, urls[i % len(urls)], model, chunks, question,
-                                      max_tokens)
+                                      max_tokens, extra)
                 except httpx.HTTPError as exc:
                     res = {"error": repr(exc)}
                 res["prompt"] = i % len(TOPICS)
@@ -163,6 +166,7 @@ def run(urls: list[str], model: str, clients: int, requests: int, duration: floa
                                                                  if "error" in r][:3],
             "wall_s": wall, "requests_per_s": len(ok) / wall if wall else 0.0,
             "decode_tokens_per_s": sum(r["tokens"] for r in ok) / wall if wall else 0.0,
+            "completion_tokens_mean": statistics.mean([r["tokens"] for r in ok]) if ok else 0,
             "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
             "ttft_p95_s": percentile([r["ttft_s"] for r in ok], 0.95),
             "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
@@ -178,12 +182,13 @@ def ingest(urls: list[str], texts: list[str]) -> None:
         r.raise_for_status()
 
 
-def solo_answers(urls: list[str], model: str, n_chunks: int, max_tokens: int) -> dict[int, str]:
+def solo_answers(urls: list[str], model: str, n_chunks: int, max_tokens: int,
+                 extra: dict | None = None) -> dict[int, str]:
     """Each distinct prompt answered alone, by the first worker."""
     texts = chunk_texts(max(n_chunks * 2, 8))
     with httpx.Client(timeout=600) as client:
         return {i: one_request(client, urls[0], model, *request_of(i, texts, n_chunks),
-                               max_tokens)["text"] for i in range(len(TOPICS))}
+                               max_tokens, extra)["text"] for i in range(len(TOPICS))}
 
 
 def main(argv=None) -> int:
@@ -198,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=600, help="seconds per run at most")
     ap.add_argument("--chunks", type=int, default=4, help="chunks per prompt (≈250 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every answer runs to --max-tokens (the server's ignore_eos), so that "
+                    "--check compares that many tokens per request")
     ap.add_argument("--check", action="store_true",
                     help="compare every answer with the prompt's answer alone")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -213,15 +221,17 @@ def main(argv=None) -> int:
     try:
         model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
         ingest(urls, chunk_texts(max(args.chunks * 2, 8)))
-        reference = (solo_answers(urls, model, args.chunks, args.max_tokens) if args.check
-                     else None)
+        extra = {"ignore_eos": True} if args.ignore_eos else None
+        reference = (solo_answers(urls, model, args.chunks, args.max_tokens, extra)
+                     if args.check else None)
         runs = [run(urls, model, c, args.requests, args.duration, args.chunks, args.max_tokens,
-                    reference) for c in args.clients]
+                    reference, extra) for c in args.clients]
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    out = {"model": model, "max_tokens": args.max_tokens, "chunks": args.chunks, "runs": runs}
+    out = {"model": model, "max_tokens": args.max_tokens, "chunks": args.chunks,
+           "ignore_eos": args.ignore_eos, "runs": runs}
     if len(runs) > 1 and runs[0]["decode_tokens_per_s"]:
         out["aggregate_speedup"] = runs[-1]["decode_tokens_per_s"] / runs[0]["decode_tokens_per_s"]
     if args.json:

@@ -387,3 +387,22 @@ def test_real_model_batched_answers_equal_solo_answers(smollm2, tmp_path):
     with BatchScheduler(engine) as scheduler:
         results = run_together(scheduler, [(p, config) for p in prompts])
     assert [r.token_ids for r in results] == solo
+
+
+def test_ignore_eos_decodes_past_end_of_sequence_alone_and_batched(engine):
+    """ignore_eos is per request: the same prompt ends at an end-of-sequence token without it
+    and decodes every max_new_tokens token with it, alone and in one batch with the other."""
+    config = GenerationConfig(max_new_tokens=30)
+    ignoring = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    full = engine.generate(prompt(2), chunks=CHUNKS, config=ignoring).token_ids
+    assert len(full) == 30
+    engine.eos_ids = engine.eos_ids | {full[len(full) // 2]}
+    first_end = next(i for i, t in enumerate(full) if t in engine.eos_ids)
+    ends = engine.generate(prompt(2), chunks=CHUNKS, config=config)
+    runs_on = engine.generate(prompt(2), chunks=CHUNKS, config=ignoring)
+    assert ends.token_ids == full[:first_end] and ends.stats.finish_reason == "stop"
+    assert runs_on.token_ids == full and runs_on.stats.finish_reason == "length"
+    with BatchScheduler(engine) as scheduler:
+        results = run_together(scheduler, [(prompt(2), config), (prompt(2), ignoring)])
+    assert [r.token_ids for r in results] == [ends.token_ids, runs_on.token_ids]
+    assert [r.stats.finish_reason for r in results] == ["stop", "length"]

@@ -271,3 +271,28 @@ def test_metrics_in_prometheus_text_format(client, model, ingested):
     for name in ("turborag_ttft_seconds", "turborag_requests_total", "turborag_queue_depth",
                  "turborag_decode_steps_total"):
         assert any(line.startswith(f"# TYPE {name} ") for line in lines)
+
+
+def test_ignore_eos_decodes_max_tokens_past_end_of_sequence(client, engine, model, ingested):
+    """vLLM's ignore_eos extension: the answer runs to max_tokens, through the token that ends
+    it without the field (made an end-of-sequence token for this test)."""
+    plain = chat(client, model, rag_messages(ingested), max_tokens=12, ignore_eos=True)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["usage"]["completion_tokens"] == 12
+    # a character of the answer that is one token (an ASCII byte: the text may also hold
+    # bytes of unfinished UTF-8 sequences, which do not round-trip) becomes end-of-sequence
+    text = plain.json()["choices"][0]["message"]["content"]
+    char = next(c for c in text[1:] if c.isascii() and c.isprintable())
+    token, = engine.tokenizer(char, add_special_tokens=False)["input_ids"]
+    saved = engine.eos_ids
+    engine.eos_ids = saved | {token}
+    try:
+        ended = chat(client, model, rag_messages(ingested), max_tokens=12)
+        ignored = chat(client, model, rag_messages(ingested), max_tokens=12, ignore_eos=True)
+    finally:
+        engine.eos_ids = saved
+    assert ended.json()["choices"][0]["finish_reason"] == "stop"
+    assert ended.json()["usage"]["completion_tokens"] < 12
+    assert ignored.json()["choices"][0]["finish_reason"] == "length"
+    assert ignored.json()["choices"][0]["message"]["content"] == \
+        plain.json()["choices"][0]["message"]["content"]

@@ -305,7 +305,8 @@ class BatchScheduler:
             request.sampler = Sampler(config)
         else:
             request.solo = decode_loop(engine.model, pre.cache, pre.logits, request.position,
-                                       config, engine.eos_ids, max_new_tokens=request.limit,
+                                       config, config.end_ids(engine.eos_ids),
+                                       max_new_tokens=request.limit,
                                        draft_stats=request.draft_stats)
         request.out.put(_ADMITTED)
         if self._advance(request, pre.logits):
@@ -350,7 +351,7 @@ class BatchScheduler:
                 token = None
             elif request.batched:
                 token = request.sampler(logits) if request.count < request.limit else None
-                if token in self.engine.eos_ids:
+                if token in request.config.end_ids(self.engine.eos_ids):
                     token = None
             else:
                 token = next(request.solo, None)

@@ -350,5 +350,6 @@ class TurboRAGEngine:
                 stats.extra.update(draft_stats.as_dict())
 
         tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
-                             self.eos_ids, max_new_tokens=limit, draft_stats=draft_stats)
+                             config.end_ids(self.eos_ids), max_new_tokens=limit,
+                             draft_stats=draft_stats)
         return Run(tokens, stats, limit, self.tokenizer, config.stop, finish)

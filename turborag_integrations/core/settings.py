@@ -42,6 +42,9 @@ class GenerationConfig:
     equals the full-precision output up to the rounding of a multi-token forward; sampling
     follows the model's own distribution. Same model requirements as quantize; falls back to
     plain decoding (with a warning) where the quantised copy cannot be built.
+
+    ignore_eos=True decodes max_new_tokens tokens, end-of-sequence tokens included, as vLLM's
+    `ignore_eos`: for benchmarks and checks in which every request must do the same work.
     """
 
     max_new_tokens: int = 256
@@ -53,6 +56,7 @@ class GenerationConfig:
     quantize: str | None = None
     draft: str | None = None
     draft_tokens: int = 4
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -77,6 +81,11 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def end_ids(self, eos_ids):
+        """The token ids that end a generation under this config: `eos_ids`, or none at all
+        with ignore_eos."""
+        return frozenset() if self.ignore_eos else eos_ids
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ class CompletionParams(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    ignore_eos: bool = False
+    """Decode max_tokens tokens past any end-of-sequence token (vLLM's extension): for
+    benchmarks in which every request does the same work."""
     turborag_chunks: list[str] | None = None
     """Chunk texts to reuse besides those found in the prompt by content; those without a blob
     yet are encoded (and indexed for later requests) before the prompt is prefilled."""

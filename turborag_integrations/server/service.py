@@ -91,7 +91,7 @@ class Service:
                 temperature=(req.temperature if req.temperature is not None
                              else OPENAI_DEFAULT_TEMPERATURE),
                 top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed,
-                stop=req.stop or ())
+                stop=req.stop or (), ignore_eos=req.ignore_eos)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 

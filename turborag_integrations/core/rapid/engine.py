@@ -344,7 +344,7 @@ class RapidEngine:
             self.drafter.cache_pool.release(pre_d.cache)
             raise
         rounds = speculate(target, drafter, config, gamma=speculation.gamma, eta=speculation.eta,
-                           residual=speculation.residual, eos_ids=self.eos_ids,
+                           residual=speculation.residual, eos_ids=config.end_ids(self.eos_ids),
                            max_new_tokens=limit, verify_split=self.verify_split,
                            min_draft_prob=self.min_draft_prob)
 
