@@ -37,10 +37,10 @@ from .finder import ChunkFinder
 from .guards import LimitBody, RequireKey
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import APIError, Reply
-
-log = logging.getLogger(__name__)
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from .service import Service
+
+log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/turborag/chunks", "/v1/models",
              "/health", "/metrics")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import BlobCorrupted
 from ..prefill.blob import Fingerprint, KVBlob
+from . import format
 
 STORAGE_DTYPES = ("native", "float32", "bfloat16", "float16", "int8")
 _FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,3 +132,17 @@ def from_stored(tensors: dict[str, torch.Tensor], meta: dict, fingerprint: Finge
             keys, values = keys.to(dtype), values.to(dtype)
     return KVBlob(token_ids=tensors["token_ids"], keys=keys, values=values, fingerprint=fingerprint,
                   base_position=int(meta.get("base_position", 0)))
+
+
+def read(raw, key: str, *, verify: bool) -> KVBlob:
+    """The blob a tier holds under `key`, from its stored bytes `raw`: decoded (checksum checked
+    when `verify`), its header's key matched with `key`, its tensors laid out for the model.
+
+    A sound blob under another blob's name (a file copied or renamed by hand, an entry renamed
+    in Redis) passes its checksum; serving it would hand out another chunk's KV, so it is
+    corrupt here. Raises BlobCorrupted, or KeyError/TypeError/ValueError for a malformed header.
+    """
+    meta, tensors = format.decode(raw, verify=verify)
+    if meta.get("key") != key:
+        raise BlobCorrupted(f"it holds the blob of key {meta.get('key')!r}")
+    return from_stored(tensors, meta, format.fingerprint_of(meta))

@@ -281,12 +281,7 @@ class DiskTier(Tier):
     def _decode(self, key: str, path: Path, raw: mmap.mmap, version: tuple[int, int, int]
                 ) -> KVBlob:
         try:
-            meta, tensors = format.decode(raw, verify=self._verified.get(key) != version)
-            if meta.get("key") != key:
-                # A sound file under another blob's name (copied or renamed by hand): its
-                # checksum passes, but serving it would hand out another chunk's KV.
-                raise BlobCorrupted(f"it holds the blob of key {meta.get('key')!r}")
-            blob = codec.from_stored(tensors, meta, format.fingerprint_of(meta))
+            blob = codec.read(raw, key, verify=self._verified.get(key) != version)
         except (BlobCorrupted, KeyError, TypeError, ValueError) as exc:
             self._verified.pop(key, None)
             raise BlobCorrupted(f"{path}: {exc}") from None

@@ -242,10 +242,7 @@ class RedisTier(Tier):
         del parts
         try:
             # Always verified: these bytes crossed a network and a process we do not control.
-            meta, tensors = format.decode(raw, verify=True)
-            if meta.get("key") != key:
-                raise BlobCorrupted(f"it holds the blob of key {meta.get('key')!r}")
-            return codec.from_stored(tensors, meta, format.fingerprint_of(meta))
+            return codec.read(raw, key, verify=True)
         except (BlobCorrupted, KeyError, TypeError, ValueError) as exc:
             raise BlobCorrupted(f"redis {name}: {exc}") from None
 
