@@ -281,6 +281,9 @@ def serve(
                                           help="CPU threads for the model (default: one per "
                                           "core); workers sharing a machine should split its "
                                           "cores (scripts/cluster.sh does)"),
+    question_last: bool = typer.Option(False, "--question-last",
+                                       help="stitch question-first prompts with the chunks "
+                                       "moved before the question (docs/langchain.md)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -306,7 +309,8 @@ def serve(
     try:
         run_server(model=model, store=store, host=host, port=port, adapter=adapter, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
-                   api_key=api_key, threads=threads)
+                   api_key=api_key, threads=threads,
+                   question_last=question_last)
     except TurboRAGError as exc:
         _fail(str(exc))
 

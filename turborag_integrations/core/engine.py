@@ -24,6 +24,7 @@ from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
 from .prefill.blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
 from .prefill.cache import CachePool
 from .prefill.recovery import parse_recovery
+from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
 from .prefill.segment import split_prompt
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
@@ -42,7 +43,7 @@ class TurboRAGEngine:
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
-                 adapter: str | Path | None = "default"):
+                 adapter: str | Path | None = "default", question_last: bool = False):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -50,6 +51,11 @@ class TurboRAGEngine:
         adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load;
         "default" merges the one shipped for a bundled model (SmolLM2), None uses the weights
         as they are. The weights digest, and so every blob's fingerprint, follows the merge.
+
+        question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
+        Context: … Answer:") in front of the user's text before them, so that the question is read
+        after the chunks, as stitching needs (core/prefill/reorder.py). Off by default: it
+        changes the prompt. Full prefills keep the prompt as written.
         """
         check_choice("positions", positions, POSITION_MODES)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
@@ -64,6 +70,8 @@ class TurboRAGEngine:
         if self.adapter is not None:
             apply_adapter(self.model, self.adapter)
         self.positions = positions
+        self.question_last = bool(question_last)
+        self.user_opener = user_turn_opener(self.tokenizer)
         self.cache_prefix = cache_prefix
         self.prefetch = prefetch
         model_fp = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
@@ -253,6 +261,8 @@ class TurboRAGEngine:
         chunks = [c for c in dict.fromkeys(chunks) if c and c.strip()]
         if mode == "naive" or not chunks:
             return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
+        if self.question_last:
+            prompt = question_last(prompt, chunks, self.user_opener)
         found = set()
         segments = []
         pieces = split_prompt(prompt, chunks)

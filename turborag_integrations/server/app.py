@@ -213,7 +213,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
           host: str = "127.0.0.1", port: int = 8000, adapter: str | None = "default",
           mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-          threads: int | None = None) -> None:
+          threads: int | None = None, question_last: bool = False) -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -232,7 +232,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
             raise ValueError(f"threads must be at least 1, not {threads}")
         torch.set_num_threads(threads)  # before any thread that runs torch starts
     log.info("torch threads: %d", torch.get_num_threads())
-    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter))
+    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
+                                                   question_last=question_last))
     with engine:
         app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
                          max_body_bytes=max_body_bytes, api_key=api_key)
