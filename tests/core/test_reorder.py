@@ -79,6 +79,8 @@ def test_the_engine_option_equals_stitching_the_turned_prompt(tiny, tmp_path, te
     assert got.token_ids == want.token_ids
     assert got.stats.prompt_tokens == want.stats.prompt_tokens
     assert got.stats.reused_tokens == want.stats.reused_tokens > 0
+    assert got.stats.extra.get("question_last", False) == (template is QUESTION_FIRST)
+    assert "question_last" not in want.stats.extra
 
     naive = turning.generate(template, chunks=CHUNKS, config=config, mode="naive")
     assert naive.token_ids == plain.generate(template, config=config, mode="naive").token_ids

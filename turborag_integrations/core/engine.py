@@ -348,6 +348,8 @@ class TurboRAGEngine:
             prompt_tokens=len(plan.token_ids), reused_tokens=plan.reused_tokens,
             prefilled_tokens=plan.prefilled_tokens, cache_hits=hits, cache_misses=misses)
         stats.extra["positions"] = positions or self.positions
+        if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
+            stats.extra["question_last"] = True  # the chunks were moved before the question
         if recovery is not None:
             stats.extra["recovery"] = str(parse_recovery(recovery))
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
