@@ -13,7 +13,7 @@ from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "adapter": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
-            "max_body_bytes": 8 * 2**20, "api_key": None, "threads": None}
+            "max_body_bytes": 8 * 2**20, "api_key": None, "threads": None, "question_last": False}
 
 
 def test_serve_options_reach_the_server(monkeypatch):
@@ -26,11 +26,13 @@ def test_serve_options_reach_the_server(monkeypatch):
     assert calls == [DEFAULTS]
     result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
-                                 "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1"])
+                                 "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1",
+                                 "--question-last"])
     assert result.exit_code == 0, result.output
     assert {**calls[1], "store": str(calls[1]["store"])} == {
         **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
-        "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1}
+        "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
+        "question_last": True}
     result = runner.invoke(cli, ["serve"], env={"TURBORAG_API_KEY": "k2"})
     assert result.exit_code == 0 and calls[2]["api_key"] == "k2"
 
@@ -51,8 +53,8 @@ def test_serve_refuses_bad_options(monkeypatch):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, adapter):
-        made.append((model, store, adapter, threading.current_thread()))
+    def load(model, *, store, adapter, question_last):
+        made.append((model, store, adapter, question_last, threading.current_thread()))
         return engine
 
     monkeypatch.setattr(server_app, "TurboRAGEngine", load)
@@ -62,11 +64,12 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.append((app, kwargs)))
     before = torch.get_num_threads()
     try:
-        server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k", threads=1)
+        server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k", threads=1,
+                         question_last=True)
     finally:
         torch.set_num_threads(before)
-    (model, store, adapter, loader), = made
-    assert (model, store, adapter) == ("m", "kv", "default")
+    (model, store, adapter, question_last, loader), = made
+    assert (model, store, adapter, question_last) == ("m", "kv", "default", True)
     assert loader is not threading.current_thread() and not loader.is_alive()
     # warmed up on the scheduler's thread, which runs torch with the threads asked for
     assert ran[0] == ("turborag-batch", 1)
