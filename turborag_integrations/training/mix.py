@@ -35,7 +35,8 @@ from typing import Any, Iterator, Sequence
 from ..evaluation.devset import Entity, _questions, build_world, write_jsonl
 from .templates import REFUSAL, TEMPLATES
 
-__all__ = ["REFUSAL", "generate_mix", "target_reply", "template_plan", "world_seeds"]
+__all__ = ["REFUSAL", "generate_mix", "retemplate", "target_reply", "template_plan",
+           "world_seeds"]
 
 EVAL_WEIGHT = 1.5  # the evaluation prompt, relative to each other template
 UNANSWERABLE_RATE = 0.15
@@ -134,6 +135,25 @@ def generate_mix(n: int, seed: int = 7) -> list[dict]:
     return items
 
 
+def retemplate(items: list[dict], old: str, new: str) -> int:
+    """Render the items of template `old` through template `new` instead, in place; the rest of
+    the mix (facts, chunks, order, the other items' templates) stays as generated. Returns how
+    many items moved.
+
+    Why: the refine template's prompt always holds REFUSAL as the answer so far, and a model
+    trained on it declines answerable questions in LlamaIndex's chat text-QA prompt, which shares
+    its system message (docs/accuracy.md); moving those items to the text-QA template removes it."""
+    for name in (old, new):
+        if name not in TEMPLATES:
+            raise ValueError(f"unknown template {name!r}; templates: {', '.join(TEMPLATES)}")
+    moved = 0
+    for item in items:
+        if item["template"] == old:
+            item["template"] = new
+            moved += 1
+    return moved
+
+
 def _get(item: Any, name: str, default: Any = None) -> Any:
     return item.get(name, default) if isinstance(item, dict) else getattr(item, name, default)
 
@@ -162,8 +182,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     ap.add_argument("--n", type=int, default=1200, help="number of items")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--retemplate", action="append", default=[], metavar="FROM=TO",
+                    help="render FROM's items through TO instead (repeatable), e.g. "
+                         "llama_index_refine=llama_index_text_qa")
     a = ap.parse_args(argv)
+    moves = []
+    for spec in a.retemplate:
+        old, sep, new = spec.partition("=")
+        if not sep or old.strip() not in TEMPLATES or new.strip() not in TEMPLATES:
+            ap.error(f"--retemplate expects FROM=TO with two of {', '.join(TEMPLATES)}; "
+                     f"got {spec!r}")
+        moves.append((old.strip(), new.strip()))
     items = generate_mix(a.n, a.seed)
+    for old, new in moves:
+        print(f"{retemplate(items, old, new)} items {old} -> {new}")
     write_jsonl(items, a.out)
     print(f"{len(items)} items -> {a.out}")
     counts = summary(items)
