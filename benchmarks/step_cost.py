@@ -10,12 +10,15 @@ step: every layer's weights and every (layer, request) cache are distinct tensor
 order, so they come from memory, not from the CPU's cache (a loop over one small tensor would
 time the cache instead).
 - attention: one SDPA call per layer and request (grouped-query, one query token), as
-  core/decode/batch.py makes them; also one grouped `bmm` formulation, and the KV dtypes given.
+  core/decode/batch.py makes them; also one grouped `bmm` formulation, one matmul per layer
+  over a storage shared by the whole batch ([layers, rows, kv_heads, context, dim]: what a
+  batch-shared cache would allow), and the KV dtypes given.
 - linear: F.linear and `gemm` (core/decode/fast.py) on every layer's q/k/v/o, gate/up and down
   weights of the model's shapes (random values), and the lm_head, for 1 and B rows.
 - memory: a `sum` over a 200 MB tensor, the bandwidth a streaming read reaches here.
 It then prints the bound these give for the batched/single throughput ratio with no other cost:
-B × (linear₁ + attention₁) / (linear_B + attention_B). Times are the best of --repeats passes.
+B × (linear₁ + attention₁) / (linear_B + attention_B), with today's per-request SDPA and with the
+shared-storage matmul. Times are the best of --repeats passes.
 """
 
 from __future__ import annotations
@@ -64,9 +67,19 @@ def attention_cost(config, rows: int, context: int, dtype, repeats: int) -> dict
                 p = torch.softmax(torch.bmm(qg, k[layer][0].transpose(1, 2)), dim=-1)
                 torch.bmm(p, v[layer][0])
 
+    shared_k = torch.randn(layers, rows, kv_heads, context, dim, dtype=dtype)
+    shared_v = torch.randn(layers, rows, kv_heads, context, dim, dtype=dtype)
+    qs = torch.randn(rows, kv_heads, group, dim, dtype=dtype) * scale
+
+    def shared_matmul():
+        for layer in range(layers):
+            p = torch.softmax(torch.matmul(qs, shared_k[layer].transpose(-1, -2)), dim=-1)
+            torch.matmul(p, shared_v[layer])
+
     kv_bytes = rows * layers * 2 * kv_heads * context * dim * caches[0][0].element_size()
     out = {"kv_mb": kv_bytes / 1e6}
-    for name, fn in (("sdpa", sdpa), ("grouped_bmm", grouped_bmm)):
+    for name, fn in (("sdpa", sdpa), ("grouped_bmm", grouped_bmm),
+                     ("shared_matmul", shared_matmul)):
         seconds = best_of(fn, repeats)
         out[name + "_ms"] = seconds * 1e3
         out[name + "_gb_s"] = kv_bytes / seconds / 1e9
@@ -135,6 +148,10 @@ def main(argv=None) -> int:
     single = report["linear"][one]["total_best_ms"] + att[one]["sdpa_ms"]
     batched = report["linear"][many]["total_best_ms"] + att[many]["sdpa_ms"]
     report["bound_ratio"] = args.rows * single / batched
+    single = report["linear"][one]["total_best_ms"] + min(att[one]["sdpa_ms"],
+                                                           att[one]["shared_matmul_ms"])
+    batched = report["linear"][many]["total_best_ms"] + att[many]["shared_matmul_ms"]
+    report["bound_ratio_shared"] = args.rows * single / batched
     if args.json:
         print(json.dumps(report))
         return 0
@@ -142,7 +159,7 @@ def main(argv=None) -> int:
           f"{report['threads']} threads; streaming read {report['memory_gb_s']:.1f} GB/s")
     print(f"{'part':34s} {'1 row':>10s} {f'{args.rows} rows':>10s}")
     for name, rows in report["attention"].items():
-        for key in ("sdpa", "grouped_bmm"):
+        for key in ("sdpa", "grouped_bmm", "shared_matmul"):
             a, b = rows[one], rows[many]
             print(f"{f'attention {name} {key}':34s} {a[key + '_ms']:8.1f}ms {b[key + '_ms']:8.1f}ms"
                   f"   ({b[key + '_gb_s']:.1f} GB/s over {b['kv_mb']:.0f} MB)")
@@ -151,7 +168,8 @@ def main(argv=None) -> int:
         a, b = report["linear"][one][key + "_ms"], report["linear"][many][key + "_ms"]
         print(f"{key:34s} {a:8.1f}ms {b:8.1f}ms")
     print(f"bound on batched/single decode throughput, no other cost: "
-          f"{report['bound_ratio']:.2f}x")
+          f"{report['bound_ratio']:.2f}x (per-request SDPA), "
+          f"{report['bound_ratio_shared']:.2f}x (batch-shared storage)")
     return 0
 
 
