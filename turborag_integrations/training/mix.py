@@ -188,11 +188,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = ap.parse_args(argv)
     moves = []
     for spec in a.retemplate:
-        old, sep, new = spec.partition("=")
-        if not sep or old.strip() not in TEMPLATES or new.strip() not in TEMPLATES:
-            ap.error(f"--retemplate expects FROM=TO with two of {', '.join(TEMPLATES)}; "
-                     f"got {spec!r}")
-        moves.append((old.strip(), new.strip()))
+        old, sep, new = (part.strip() for part in spec.partition("="))
+        if not sep:
+            ap.error(f"--retemplate expects FROM=TO, got {spec!r}")
+        try:
+            retemplate([], old, new)  # checks both names before any item is generated
+        except ValueError as exc:
+            ap.error(f"--retemplate {spec!r}: {exc}")
+        moves.append((old, new))
     items = generate_mix(a.n, a.seed)
     for old, new in moves:
         print(f"{retemplate(items, old, new)} items {old} -> {new}")
