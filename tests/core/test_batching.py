@@ -14,7 +14,7 @@ from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
-from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.prefill.cache import BatchArena, KVCache
 from turborag_integrations.core.settings import GenerationConfig
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
@@ -179,11 +179,11 @@ def test_sampling_settings_are_per_request(engine, monkeypatch):
     assert [r.token_ids for r in results] == solo
 
 
-def test_a_closed_stream_leaves_the_batch_and_returns_its_cache(engine, monkeypatch):
+def test_a_closed_stream_leaves_the_batch_and_frees_its_row(engine, monkeypatch):
     jobs = [(prompt(i), GenerationConfig(max_new_tokens=40)) for i in range(4)]
     solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
-    caches, released = [], []
-    prefill, release = engine.prefill, engine.cache_pool.release
+    caches, released, left = [], [], []
+    prefill, release, leave = engine.prefill, engine.cache_pool.release, BatchArena.leave
 
     def recording_prefill(*args, **kwargs):
         pre = prefill(*args, **kwargs)
@@ -193,6 +193,8 @@ def test_a_closed_stream_leaves_the_batch_and_returns_its_cache(engine, monkeypa
     monkeypatch.setattr(engine, "prefill", recording_prefill)
     monkeypatch.setattr(engine.cache_pool, "release",
                         lambda cache: (released.append(cache), release(cache)))
+    monkeypatch.setattr(BatchArena, "leave",
+                        lambda self, cache: (left.append(cache), leave(self, cache)))
     closed = {}
 
     def close_early(i, stream) -> bool:
@@ -200,24 +202,26 @@ def test_a_closed_stream_leaves_the_batch_and_returns_its_cache(engine, monkeypa
             return False
         for n, _ in enumerate(stream):
             if n == 3:
-                before = len(released)
+                before = len(left)
                 stream.close()
-                closed["released"] = released[before:]  # back before close returns
+                closed["left"] = left[before:]  # its row is free before close returns
                 return True
         raise AssertionError("the stream ended before it was closed")
 
     with BatchScheduler(engine) as scheduler:
         results = run_together(scheduler, jobs, consume=close_early)
-    assert len(closed["released"]) == 1
-    assert any(closed["released"][0] is cache for cache in caches)
+        assert scheduler._arena.in_use == 0
+    assert len(closed["left"]) == 1
     cancelled = results[1]
     assert cancelled.stats.finish_reason == "cancelled"
     assert cancelled.token_ids == solo[1].token_ids[:len(cancelled.token_ids)]
     assert len(cancelled.token_ids) < 40
     for i in (0, 2, 3):
         assert results[i].token_ids == solo[i].token_ids
-    # every cache went back to the pool, once
+    # each prefill's cache went back to the pool once (at admission: its tokens moved into the
+    # arena), and every row the requests took in the arena was freed once
     assert sorted(map(id, released)) == sorted(map(id, caches))
+    assert len(left) == len(jobs) and len(set(map(id, left))) == len(jobs)
 
 
 def test_a_failing_prefill_fails_only_its_own_stream(engine):
@@ -406,3 +410,119 @@ def test_ignore_eos_decodes_past_end_of_sequence_alone_and_batched(engine):
         results = run_together(scheduler, [(prompt(2), config), (prompt(2), ignoring)])
     assert [r.token_ids for r in results] == [ends.token_ids, runs_on.token_ids]
     assert [r.stats.finish_reason for r in results] == ["stop", "length"]
+
+
+# ---- the arena: the batch's caches as rows of one storage --------------------------------------
+
+def arena_of(model, tok, texts, room: int = 8) -> tuple[BatchArena, list, list[int]]:
+    arena = BatchArena.for_model(model, rows=len(texts))
+    rows, lengths = [], []
+    for text in texts:
+        cache, n = prefilled(model, tok, text)
+        rows.append(arena.join(cache, room=room))
+        lengths.append(n)
+    return arena, rows, lengths
+
+
+def test_joining_the_arena_copies_the_cache_and_leaving_keeps_rows_packed(tiny_llama):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    plain = [prefilled(model, tok, t)[0] for t in TEXTS]
+    arena, rows, _ = arena_of(model, tok, TEXTS)
+    assert arena.in_use == 4 and [arena.row_of(c) for c in rows] == [0, 1, 2, 3]
+    for want, got in zip(plain, rows):
+        assert got.length == want.length
+        for la, lb in zip(want.layers, got.layers):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    arena.leave(rows[1])  # the last row moves into row 1
+    assert arena.in_use == 3 and arena.row_of(rows[3]) == 1
+    with pytest.raises(ValueError, match="not a row"):
+        arena.row_of(rows[1])
+    arena.leave(rows[3])
+    arena.leave(rows[2])  # the last row in use: nothing moves
+    assert [arena.row_of(c) for c in arena.caches] == [0]
+    for i in (0,):
+        for la, lb in zip(plain[i].layers, rows[i].layers):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    # growing past the capacity keeps every row's tokens
+    before = [layer.keys.clone() for layer in rows[0].layers]
+    arena.reserve(4 * arena.capacity)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, rows[0].layers))
+
+
+def test_the_arena_refuses_what_it_cannot_hold(tiny_llama):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    arena = BatchArena.for_model(model, rows=1)
+    arena.join(prefilled(model, tok, TEXTS[0])[0])
+    with pytest.raises(RuntimeError, match="all 1 rows"):
+        arena.join(prefilled(model, tok, TEXTS[1])[0])
+    other = BatchArena.for_model(model, rows=2)
+    half = KVCache.empty(model, 8)
+    half.storage.k, half.storage.v = half.storage.k.double(), half.storage.v.double()
+    with pytest.raises(ValueError, match="layout"):
+        other.join(half)
+
+
+@pytest.mark.parametrize("batch_matmul", ["packed", "linear"])
+def test_a_step_over_arena_rows_is_each_rows_own_step(tiny, batch_matmul):
+    """Rows of one arena, of different lengths, passed in another order than their rows: each
+    row's logits and keys equal the request's solo run, and the logits come back in the order
+    the caches were given."""
+    model, tok = tiny.model, tiny.tokenizer
+    fast = FastDecoder.for_model(model)
+    batched = BatchedDecoder.for_model(model, rows=4, batch_matmul=batch_matmul)
+    assert (batched.packed is not None) == (batch_matmul == "packed")
+    solo = [prefilled(model, tok, t) for t in TEXTS]
+    arena, rows, lengths = arena_of(model, tok, TEXTS)
+    order = [2, 0, 3, 1]
+    tokens = [5, 77, 130, 9]
+    calls = []
+    attention = fast.attention
+    with torch.inference_mode():
+        for step in range(3):
+            want = torch.stack([fast.step(tokens[i], lengths[i] + step, solo[i][0])
+                                for i in range(4)])
+            fast.attention = lambda *a, **k: (calls.append(a[4]), attention(*a, **k))[1]
+            try:
+                got = batched.step([tokens[i] for i in order],
+                                   [lengths[i] + step for i in order], [rows[i] for i in order])
+            finally:
+                fast.attention = attention
+            torch.testing.assert_close(got, want[order], rtol=1e-5, atol=1e-5)
+            assert got.argmax(-1).tolist() == want[order].argmax(-1).tolist()
+            tokens = want.argmax(-1).tolist()
+    # one masked call per layer and step, not one per request
+    assert len(calls) == 3 * model.config.num_hidden_layers
+    assert all(mask is not None and mask.shape[0] == 4 for mask in calls)
+    for (a, n), b in zip(solo, rows):
+        assert b.length == n + 3
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_of_one_arena_row_is_the_fast_step(tiny):
+    model, tok = tiny.model, tiny.tokenizer
+    fast = FastDecoder.for_model(model)
+    batched = BatchedDecoder.for_model(model, batch_matmul="packed")
+    a, n = prefilled(model, tok, TEXTS[3])
+    arena, (row,), _ = arena_of(model, tok, [TEXTS[3]])
+    with torch.inference_mode():
+        for i, token in enumerate([5, 77, 130]):
+            assert torch.equal(fast.step(token, n + i, a), batched.step([token], [n + i], [row])[0])
+
+
+def test_the_scheduler_decodes_its_batch_in_one_arena(engine, monkeypatch):
+    """Requests admitted together decode as rows of the scheduler's arena (one attention call
+    per layer), and leave it empty."""
+    jobs = [(prompt(i), GenerationConfig(max_new_tokens=5 + i)) for i in range(4)]
+    solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
+    spans = []
+    attend_arena = BatchedDecoder._attend_arena
+    monkeypatch.setattr(BatchedDecoder, "_attend_arena",
+                        lambda self, arena: (spans.append(arena.in_use), attend_arena(self, arena))[1])
+    with BatchScheduler(engine, max_batch=4) as scheduler:
+        hold_first_prefill(engine, monkeypatch, scheduler, others=3)
+        results = run_together(scheduler, jobs)
+        assert scheduler._arena.in_use == 0
+    assert [r.token_ids for r in results] == [s.token_ids for s in solo]
+    assert spans and max(spans) == 4

@@ -23,14 +23,18 @@ The worker repeats:
 1. admit: while fewer than `max_batch` requests are in flight, take the next waiting request and
    prefill it alone (`engine.segments` + `engine.prefill`, the stitched prefill of
    `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
-   A failing prefill fails that request only.
+   A failing prefill fails that request only. A batched request's cache is then copied into
+   the next free row of the scheduler's `BatchArena` (core/prefill/cache.py) and the prefill's
+   cache goes back to the pool: the batch's caches are rows of one storage, attended in one
+   call per layer.
 2. step: one `BatchedDecoder.step` for every batched request in flight, then each request draws
    its next token with its own `Sampler` (its own temperature, top-k/top-p and seeded generator),
    so it gets the tokens it would get alone (greedy: equal to `engine.generate`, tested).
 3. retire: a request leaves after its last token (max_new_tokens, the end of the context window
    or an end-of-sequence token), as soon as its consumer closes the stream (a stop string,
-   `stream.close()`, a client that is gone) and on an error; its cache goes back to the
-   engine's pool before the stream's close returns.
+   `stream.close()`, a client that is gone) and on an error; its row of the arena (or the
+   cache of an unbatched request, back to the engine's pool) is free before the stream's close
+   returns.
 
 A caller may pass `cancelled=` (a `threading.Event`) to `submit` and set it to withdraw the
 request without touching its stream, from any thread: a request withdrawn while it waits is never
@@ -68,6 +72,7 @@ from .decode.loop import decode_loop, now
 from .decode.sampling import Sampler
 from .decode.selfspec import DraftStats
 from .engine import TurboRAGEngine
+from .prefill.cache import BatchArena
 from .prefill.recovery import parse_recovery
 from .prefill.stitch import Segment
 from .run import GenerationStats, GenerationStream, Run
@@ -161,6 +166,8 @@ class BatchScheduler:
         # The model's batched decoder, looked up at each admission (the lookup checks that the
         # fast path still supports the model, ≈2 ms for SmolLM2: too much for every step).
         self._decoder: BatchedDecoder | None = None
+        # The batched requests' caches, rows of one storage (made at the first admission).
+        self._arena: BatchArena | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -299,10 +306,11 @@ class BatchScheduler:
         request.position = pre.plan.next_position
         decoder = None
         if config.draft is None and config.quantize is None:
-            decoder = BatchedDecoder.for_model(engine.model)
+            decoder = BatchedDecoder.for_model(engine.model, rows=self.max_batch)
         if decoder is not None:
             self._decoder = decoder
             request.sampler = Sampler(config)
+            self._join_arena(request)
         else:
             request.solo = decode_loop(engine.model, pre.cache, pre.logits, request.position,
                                        config, config.end_ids(engine.eos_ids),
@@ -311,6 +319,18 @@ class BatchScheduler:
         request.out.put(_ADMITTED)
         if self._advance(request, pre.logits):
             self._active.append(request)
+
+    def _join_arena(self, request: _Request) -> None:
+        """Move a batched request's cache into the arena (one copy), so that the batched step
+        attends over all rows at once, and give the prefill's cache back to the pool."""
+        cache = request.cache
+        if self._arena is None:
+            self._arena = BatchArena.for_model(self.engine.model, self.max_batch,
+                                               capacity=cache.length + request.limit + 1)
+        if not self._arena.fits(cache):  # another dtype or device: it decodes on its own cache
+            return
+        request.cache = self._arena.join(cache, room=request.limit + 1)
+        self.engine.cache_pool.release(cache)
 
     def _prefill(self, request: _Request):
         """`engine.stream`'s prefill of the request's prompt; fills in its prompt stats."""
@@ -372,6 +392,8 @@ class BatchScheduler:
     def _step(self) -> None:
         """One round: a batched step for the batched requests, one token from every other."""
         batch = [r for r in self._active if r.batched]
+        if self._arena is not None:  # in row order, as the step computes them
+            batch.sort(key=lambda r: self._row(r))
         keep = []
         if batch:
             with torch.inference_mode():
@@ -390,6 +412,10 @@ class BatchScheduler:
                 keep.append(request)
         self._active = keep
 
+    def _row(self, request: _Request) -> int:
+        storage = request.cache.storage
+        return storage.row if getattr(storage, "arena", None) is self._arena else -1
+
     def _retire_if_cancelled(self, request: _Request) -> bool:
         if request.dropped():
             self._retire(request)
@@ -403,7 +429,10 @@ class BatchScheduler:
         if request.solo is not None:
             request.solo.close()
         if request.cache is not None:
-            self.engine.cache_pool.release(request.cache)
+            if self._arena is not None and self._row(request) >= 0:
+                self._arena.leave(request.cache)
+            else:
+                self.engine.cache_pool.release(request.cache)
             request.cache = None
         if request.steps:
             request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps

@@ -15,6 +15,15 @@ request `step` equals `FastDecoder.step` bit for bit. With several, a Linear lay
 rows in one call and the BLAS library picks its kernel by shape, so a row's logits can differ
 from its single-request logits in the last bits (another summation order; ≤1e-5 relative in the
 tests, and greedy tokens equal).
+
+Two things make a step of B > 1 rows cheaper than B one-row steps beyond the shared weight read:
+- caches that are the rows in use of one `BatchArena` (core/prefill/cache.py; the scheduler
+  keeps its batch there) are attended in one call per layer, each row masked to its own length,
+  and their new keys and values are written in one indexed store per layer, instead of one
+  update and one attention call per request and layer (caches of any other kind still get
+  those);
+- the Linear layers run on oneDNN-packed weights where that is faster (core/decode/packed.py).
+A row's logits then differ from its one-row step in the last bits, as above.
 """
 
 from __future__ import annotations
@@ -24,21 +33,29 @@ from typing import Sequence
 import torch
 
 from .fast import FastDecoder
+from .packed import PackedLinears
 
 
 class BatchedDecoder:
     """Batched one-token decode steps over a model's `FastDecoder`; see the module docstring."""
 
-    def __init__(self, fast: FastDecoder):
+    def __init__(self, fast: FastDecoder, packed: PackedLinears | None = None):
         self.fast = fast
+        self.packed = packed
 
     @classmethod
-    def for_model(cls, model, quantize: str | None = None,
-                  matmul: str | None = None) -> "BatchedDecoder | None":
+    def for_model(cls, model, quantize: str | None = None, matmul: str | None = None,
+                  rows: int = 8, batch_matmul: str | None = None) -> "BatchedDecoder | None":
         """A batched decoder over `FastDecoder.for_model(model, quantize, matmul)`; None where
-        the fast path does not support the model (same rules, see core/decode/fast.py)."""
+        the fast path does not support the model (same rules, see core/decode/fast.py).
+
+        rows and batch_matmul choose the Linear product of steps of several rows
+        (`PackedLinears.for_decoder(fast, rows, batch_matmul)`: packed weights for up to `rows`
+        rows where they are faster, else the one-row product)."""
         fast = FastDecoder.for_model(model, quantize, matmul)
-        return None if fast is None else cls(fast)
+        if fast is None:
+            return None
+        return cls(fast, PackedLinears.for_decoder(fast, rows, batch_matmul))
 
     def step(self, tokens: Sequence[int], positions: Sequence[int],
              caches: Sequence) -> torch.Tensor:
@@ -49,16 +66,46 @@ class BatchedDecoder:
                              f"{len(caches)} caches: one of each per request")
         if not tokens:
             raise ValueError("a batched step needs at least one request")
+        if len(caches) == 1:
+            return self._run(tokens, positions, self._attend_one(caches[0]), None)
+        arena = _arena_of(caches)
+        if arena is None:
+            return self._run(tokens, positions, self._attend_each(caches), self.packed)
+        # the arena's rows in row order; the logits go back in the caller's order
+        order = sorted(range(len(caches)), key=lambda i: arena.row_of(caches[i]))
+        logits = self._run([tokens[i] for i in order], [positions[i] for i in order],
+                           self._attend_arena(arena), self.packed)
+        if order == list(range(len(order))):
+            return logits
+        back = [0] * len(order)
+        for row, i in enumerate(order):
+            back[i] = row
+        return logits[back]
+
+    __call__ = step
+
+    def _run(self, tokens, positions, attend, packed: PackedLinears | None) -> torch.Tensor:
         fast = self.fast
         device = fast.embed.weight.device
         ids = torch.tensor([[t] for t in tokens], device=device)
         position_ids = torch.tensor([[p] for p in positions], device=device)
-        attention = fast.attention
+        apply = packed.apply if packed is not None else None
+        hidden = fast.run_layers(ids, position_ids, attend, apply)
+        return (apply or fast._apply)(hidden, fast.lm_head)[:, -1]
+
+    def _attend_one(self, cache):
+        attention = self.fast.attention
+
+        def attend(L, q, k, v):  # exactly the single-request call
+            k, v = cache.update(k, v, L.idx)
+            return attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)[0]
+
+        return attend
+
+    def _attend_each(self, caches):
+        attention = self.fast.attention
 
         def attend(L, q, k, v):
-            if len(caches) == 1:  # exactly the single-request call
-                k, v = caches[0].update(k, v, L.idx)
-                return attention(L.attn, q, k, v, None, dropout=0.0, scaling=L.attn.scaling)[0]
             # `gemm` leaves B rows in column-major order; SDPA's fused CPU kernel needs a
             # unit stride in the last dimension and would fall back to its slow reference path
             q = q.contiguous()
@@ -70,7 +117,41 @@ class BatchedDecoder:
                 rows.append(a)
             return torch.cat(rows)
 
-        hidden = fast.run_layers(ids, position_ids, attend)
-        return fast._apply(hidden, fast.lm_head)[:, -1]
+        return attend
 
-    __call__ = step
+    def _attend_arena(self, arena):
+        """Attention for every row in use of `arena` (row i's query in row i): one indexed
+        write of the new keys/values and one masked attention call per layer."""
+        caches = arena.caches
+        b = len(caches)
+        lengths = [c.length for c in caches]  # where each row's new token goes
+        span = max(lengths) + 1
+        arena.reserve(span)
+        device = arena.k.device
+        rows = torch.arange(b, device=device)
+        at = torch.tensor(lengths, device=device)
+        # row i attends to its first lengths[i] + 1 positions; the others weigh exactly 0
+        mask = torch.zeros(b, 1, 1, span, dtype=arena.k.dtype, device=device)
+        mask.masked_fill_(torch.arange(span, device=device) > at[:, None, None, None],
+                          float("-inf"))
+        attention = self.fast.attention
+
+        def attend(L, q, k, v):
+            keys, values = arena.k[L.idx], arena.v[L.idx]  # [rows, heads, capacity, dim]
+            keys[rows, :, at] = k[:, :, 0]
+            values[rows, :, at] = v[:, :, 0]
+            for c in caches:
+                c.layers[L.idx].length += 1
+            return attention(L.attn, q.contiguous(), keys[:b, :, :span], values[:b, :, :span],
+                             mask, dropout=0.0, scaling=L.attn.scaling)[0]
+
+        return attend
+
+
+def _arena_of(caches):
+    """The `BatchArena` whose rows in use are exactly `caches` (in any order), else None."""
+    arena = getattr(getattr(caches[0], "storage", None), "arena", None)
+    if arena is None or arena.in_use != len(caches) \
+            or {id(c) for c in caches} != {id(c) for c in arena.caches}:
+        return None
+    return arena

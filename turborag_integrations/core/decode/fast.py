@@ -352,14 +352,16 @@ class FastDecoder:
 
         return self.run_layers(ids, position_ids, attend)
 
-    def run_layers(self, ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+    def run_layers(self, ids: torch.Tensor, position_ids: torch.Tensor, attend,
+                   apply=None) -> torch.Tensor:
         """The final-norm hidden states [b, n, hidden] of token ids [b, n] at `position_ids`
         [b, n], through every decoder layer.
 
         `attend(layer, q, k, v)` gets the rotated queries [b, heads, n, dim] and keys/values
         [b, kv_heads, n, dim] of one layer, stores the keys/values and returns the attention
         output [b, n, heads, dim]: the one part that depends on where the cache lives (one
-        cache for `hidden`, one cache per row for a batched step).
+        cache for `hidden`, one cache per row for a batched step). `apply(x, linear)` replaces
+        the Linear product (a batched step's packed weights, core/decode/packed.py).
         """
         h = self.embed(ids)
         b, n = ids.shape
@@ -367,7 +369,9 @@ class FastDecoder:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         split_qkv = (self.q_size, self.kv_size, self.kv_size)
         split_mlp = (self.intermediate, self.intermediate)
-        if n > 1 and self.rows_matmul != self.matmul:  # several tokens of one sequence
+        if apply is not None:
+            pass
+        elif n > 1 and self.rows_matmul != self.matmul:  # several tokens of one sequence
             def apply(x, module, _matmul=self.rows_matmul):
                 return self._apply(x, module, _matmul)
         else:
