@@ -39,19 +39,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from turborag_integrations.core.decode.fast import gemm
+from turborag_integrations.core.decode.fast import best_time as best_of, gemm
 from turborag_integrations.core.decode.packed import _ops
 from turborag_integrations.core.models import CATALOG, DEFAULT_MODEL, prepare_bundled
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def attention_cost(config, rows: int, context: int, dtype, repeats: int) -> dict:

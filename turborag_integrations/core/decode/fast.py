@@ -50,6 +50,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from typing import Sequence
@@ -171,29 +172,28 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def best_time(fn, repeats: int = 3) -> float:
+    """The best of `repeats` timings of `fn()`, after one call to warm it up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def _pick_matmul(weight: torch.Tensor, rows: int = 1) -> str:
     """"gemm" where it is clearly faster than F.linear for `rows` rows on this machine, else
     "linear"; timed once on the model's largest weight. On accelerators (where the few-row
     path is not the bottleneck and timing needs synchronisation) always "linear"."""
-    import time
-
     if weight.device.type != "cpu":
         return "linear"
 
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     with torch.inference_mode():
-        t_linear = best(lambda: F.linear(x, weight))
-        t_gemm = best(lambda: gemm(x, weight))
+        t_linear = best_time(lambda: F.linear(x, weight))
+        t_gemm = best_time(lambda: gemm(x, weight))
     choice = "gemm" if t_gemm < 0.9 * t_linear else "linear"
     log.debug("decode matmul, %d row(s): %s (linear %.2f ms, gemm %.2f ms)", rows, choice,
               t_linear * 1e3, t_gemm * 1e3)

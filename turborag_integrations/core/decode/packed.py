@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from ..settings import check_choice
+from .fast import best_time
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +112,10 @@ class PackedLinears:
                             "use F.linear")
                 return None
             if mode == "auto":
-                t_linear = _best(lambda: F.linear(x, head.weight, head.bias))
-                t_packed = _best(lambda: packed.apply(x, head))
+                t_linear = best_time(lambda: F.linear(x, head.weight, head.bias))
+                t_packed = best_time(lambda: packed.apply(x, head))
                 log.debug("batched matmul, %d rows: F.linear %.2f ms, packed %.2f ms", rows,
                           t_linear * 1e3, t_packed * 1e3)
                 if t_packed >= 0.9 * t_linear:
                     return None
         return packed
-
-
-def _best(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)

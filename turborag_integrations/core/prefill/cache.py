@@ -19,6 +19,17 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def _grown(old: torch.Tensor, capacity: int, keep: int, make) -> torch.Tensor:
+    """A copy of `old` [layers, batch, heads, capacity, dim] with room for `capacity` tokens
+    and its first `keep` tokens; `make` (torch.empty or torch.zeros) fills the rest."""
+    # Growth happens mid-forward, under inference mode; tensors made there could not be
+    # written outside it later, and storage is handed out again. Make normal ones.
+    with torch.inference_mode(False):
+        grown = make(old.shape[:3] + (capacity, old.shape[4]), dtype=old.dtype, device=old.device)
+        grown[:, :, :, :keep] = old[:, :, :, :keep]
+    return grown
+
+
 class _Storage:
     """Keys and values of all layers in two tensors [layers, batch, heads, capacity, head_dim].
 
@@ -38,15 +49,9 @@ class _Storage:
     def reserve(self, total: int, keep: int) -> None:
         if total <= self.capacity:
             return
-        new_cap = max(total, 2 * self.capacity)
-        # Growth happens mid-forward, under inference mode; tensors made there could not be
-        # written outside it later, and the pool hands storage out again. Make normal ones.
-        with torch.inference_mode(False):
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                grown = old.new_empty(old.shape[:3] + (new_cap, old.shape[4]))
-                grown[:, :, :, :keep] = old[:, :, :, :keep]
-                setattr(self, name, grown)
+        capacity = max(total, 2 * self.capacity)
+        self.k, self.v = (_grown(self.k, capacity, keep, torch.empty),
+                          _grown(self.v, capacity, keep, torch.empty))
 
 
 class PreallocatedLayer(CacheLayerMixin):
@@ -282,15 +287,10 @@ class BatchArena:
         """Room for `total` tokens in every row (the valid tokens of each row are kept)."""
         if total <= self.capacity:
             return
-        new_cap = max(total, 2 * self.capacity)
         keep = max((c.length for c in self.caches), default=0)
-        # see _Storage.reserve: tensors made under inference mode could not be written later
-        with torch.inference_mode(False):
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                grown = old.new_zeros(old.shape[:3] + (new_cap, old.shape[4]))
-                grown[:, :, :, :keep] = old[:, :, :, :keep]
-                setattr(self, name, grown)
+        capacity = max(total, 2 * self.capacity)
+        self.k, self.v = (_grown(self.k, capacity, keep, torch.zeros),
+                          _grown(self.v, capacity, keep, torch.zeros))
 
     def join(self, cache: KVCache, room: int = 0) -> KVCache:
         """A cache on the next free row holding a copy of `cache`'s tokens, with room for
