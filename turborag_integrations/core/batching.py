@@ -204,8 +204,9 @@ class BatchScheduler:
 
     @property
     def in_flight(self) -> int:
-        """Requests being decoded now (a snapshot)."""
-        return len(self._active)
+        """Requests being decoded now (a snapshot). A request whose stream has ended is not
+        counted, though the worker drops it from its list only at the end of the round."""
+        return sum(not r.released.is_set() for r in self._active)
 
     @property
     def waiting(self) -> int:
@@ -254,6 +255,13 @@ class BatchScheduler:
 
     # ---- the worker --------------------------------------------------------------------------
     def _serve(self) -> None:
+        # The batched decoder's one-time work (timing the products, packing the weights: ≈1 s
+        # for SmolLM2) before the first request rather than in its prefill's place.
+        try:
+            with torch.inference_mode():
+                BatchedDecoder.for_model(self.engine.model, rows=self.max_batch)
+        except Exception:  # the first admission tries again and fails that request, if any
+            log.exception("could not prepare the batched decoder")
         while True:
             with self._cond:
                 while (not self._waiting and not self._active and not self._calls

@@ -250,7 +250,6 @@ class BatchArena:
                  dtype: torch.dtype, device, capacity: int = 1):
         if rows < 1:
             raise ValueError("a batch arena needs at least one row")
-        self.shape = (layers, rows, heads, head_dim)
         self.k = torch.zeros((layers, rows, heads, max(capacity, 1), head_dim), dtype=dtype,
                              device=device)
         self.v = torch.zeros_like(self.k)
