@@ -1,13 +1,13 @@
 """One decode step for several requests at once, each with its own cache and position.
 
-A decode step of a small model on a CPU is bound by reading the weights (≈540 MB fp32 for
-SmolLM2-135M), not by arithmetic. `BatchedDecoder.step` stacks the current token of B requests
-into B rows and runs the embedding, every RMSNorm and every Linear layer (q/k/v/o, gate/up/down,
-lm_head) once on all rows, so the weights are read once per step whatever B is. What cannot be
-shared stays per request: RoPE turns each row at its own position, each row's keys and values go
-to its own cache, and attention runs row by row over that row's cache, through the same attention
-function as the single-request path. Caches of different lengths therefore need no padding and
-no mask.
+A decode step of a small model on a CPU reads the weights (≈540 MB fp32 for SmolLM2-135M) and
+each request's cache (≈94 MB at 2K tokens). `BatchedDecoder.step` stacks the current token of B
+requests into B rows and runs the embedding, every RMSNorm and every Linear layer (q/k/v/o,
+gate/up/down, lm_head) once on all rows, so the weights are read once per step whatever B is.
+What cannot be shared stays per request: RoPE turns each row at its own position, each row's
+keys and values go to its own cache, and each row attends over its own cache only, through the
+same attention function as the single-request path (caches of their own: one call per row, no
+mask; rows of one arena: one call for all, below).
 
 The layer loop is `FastDecoder.run_layers`: the same modules, functions and matmul formulation
 (`FastDecoder.matmul`) as a single-request step; only the attention callback differs. With one
