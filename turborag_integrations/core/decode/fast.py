@@ -369,13 +369,10 @@ class FastDecoder:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         split_qkv = (self.q_size, self.kv_size, self.kv_size)
         split_mlp = (self.intermediate, self.intermediate)
-        if apply is not None:
-            pass
-        elif n > 1 and self.rows_matmul != self.matmul:  # several tokens of one sequence
+        if apply is None and n > 1 and self.rows_matmul != self.matmul:  # tokens of one sequence
             def apply(x, module, _matmul=self.rows_matmul):
                 return self._apply(x, module, _matmul)
-        else:
-            apply = self._apply
+        apply = apply or self._apply
         for L in self.layers:
             residual = h
             x = L.ln1(h)

@@ -62,7 +62,6 @@ class PackedLinears:
                     raise ValueError("packed products need float32 Linear layers on CPU")
                 self._packed[id(m)] = (reorder(m.weight.detach(), rows),
                                        None if m.bias is None else m.bias.detach())
-        self.rows = rows
 
     def apply(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
         weight, bias = self._packed[id(module)]
