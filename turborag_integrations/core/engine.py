@@ -23,6 +23,7 @@ from .models import LoadedModel, load_model
 from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
 from .prefill.blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
 from .prefill.cache import CachePool
+from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
@@ -43,14 +44,25 @@ class TurboRAGEngine:
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
-                 adapter: str | Path | None = "default", question_last: bool = False):
+                 adapter: str | Path | None = None, question_last: bool = False,
+                 encoder: "str | Path | LearnedEncoding | None" = "default"):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
 
-        adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load;
-        "default" merges the one shipped for a bundled model (SmolLM2), None uses the weights
-        as they are. The weights digest, and so every blob's fingerprint, follows the merge.
+        encoder: learned parameters that act only while chunks are encoded, offline
+        (core/prefill/encoding.py): "default" loads the file shipped for a bundled model (none
+        for other models), a path or bundled model name loads that file, None keeps the
+        training-free encoding. The query-time model stays the weights as loaded, so full
+        prefills answer exactly as the unmodified model does. The encoder is part of every
+        chunk blob's fingerprint; a file made for other weights, another tokenizer or another
+        anchor is refused (EncoderMismatch) before any blob is written. With an adapter merged,
+        "default" means None (the shipped file fits the unmerged weights only).
+
+        adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load, which
+        changes the model itself (every answer, full prefill included); None (the default) uses
+        the weights as they are, "default" merges the one shipped for SmolLM2. The weights
+        digest, and so every blob's fingerprint, follows the merge.
 
         question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
         Context: … Answer:") in front of the user's text before them, so that the question is read
@@ -80,8 +92,18 @@ class TurboRAGEngine:
         self.anchor_text = anchor_text(self.anchor, self.tokenizer)
         # Chunks are encoded after the anchor; the prompt's own head (the text before the first
         # chunk) starts the sequence, so it is encoded plain, at 0..n−1, which is exact.
+        if encoder == "default" and self.adapter is not None:
+            # the shipped encoder was trained for the weights as shipped; merged weights are
+            # another model, which only an encoder trained for it fits
+            log.info("adapter %s merged: chunks are encoded training-free (encoder=None)",
+                     self.adapter.name)
+            encoder = None
+        self.learned = resolve_encoder(encoder, self.loaded.name)
+        if self.learned is not None:
+            self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor)
         self.encoder = ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size,
-                                    anchor_ids=anchor_ids(self.anchor, self.tokenizer))
+                                    anchor_ids=anchor_ids(self.anchor, self.tokenizer),
+                                    learned=self.learned)
         self.prefix_encoder = ChunkEncoder(self.model, self.tokenizer, model_fp,
                                            batch_size=batch_size)
         # The fingerprint of chunk blobs (model setup + anchor), and of plain prefix blobs.

@@ -31,3 +31,7 @@ class BlobCorrupted(TurboRAGError):
 
 class AdapterMismatch(ModelError):
     """An adapter file that was not made for this model's weights or layout."""
+
+
+class EncoderMismatch(ModelError):
+    """A learned chunk-encoder file that was not made for this model, tokenizer or anchor."""

@@ -188,18 +188,30 @@ class ChunkEncoder:
     """
 
     def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
-                 max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = ()):
+                 max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = (),
+                 learned=None):
         self.model = model
         self.tokenizer = tokenizer
         self.anchor_ids = list(anchor_ids)
-        self.fingerprint = fingerprint.with_encoding(anchor_encoding(self.anchor_ids))
+        # learned: a prefill.encoding.LearnedEncoding (soft tokens after the anchor, an
+        # encode-only LoRA), or None for the training-free encoding
+        self.learned = learned
+        encoding = anchor_encoding(self.anchor_ids)
+        if learned is not None:
+            encoding = f"{encoding}+{learned.tag}"
+        self.fingerprint = fingerprint.with_encoding(encoding)
         self.batch_size = batch_size
         self.max_chunk_tokens = (max_chunk_tokens or int(model.config.max_position_embeddings)) \
-            - len(self.anchor_ids)
+            - self.base_position
+
+    @property
+    def num_soft(self) -> int:
+        return self.learned.num_soft if self.learned is not None else 0
 
     @property
     def base_position(self) -> int:
-        return len(self.anchor_ids)
+        """Where a chunk's first token is encoded: after the anchor and the soft tokens."""
+        return len(self.anchor_ids) + self.num_soft
 
     def tokenize(self, text: str) -> list[int]:
         if not text or not text.strip():
@@ -226,7 +238,9 @@ class ChunkEncoder:
         device = next(self.model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
         pad_id = 0 if pad_id is None else pad_id
-        a = len(self.anchor_ids)
+        a = self.base_position
+        # the soft tokens' slots hold a placeholder id until their embeddings replace it
+        head = self.anchor_ids + [pad_id] * self.num_soft
         done = 0
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
@@ -235,11 +249,19 @@ class ChunkEncoder:
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
-                input_ids[row, :lengths[row]] = torch.as_tensor(self.anchor_ids + list(ids_list[i]))
+                input_ids[row, :lengths[row]] = torch.as_tensor(head + list(ids_list[i]))
                 mask[row, :lengths[row]] = 1
+            input_ids, mask = input_ids.to(device), mask.to(device)
             with torch.inference_mode():
-                out = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                 use_cache=True, logits_to_keep=1)
+                if self.learned is None:
+                    out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True,
+                                     logits_to_keep=1)
+                else:
+                    soft_at = torch.full((len(batch),), len(self.anchor_ids), dtype=torch.long)
+                    embeds = self.learned.embed(self.model, input_ids, soft_at)
+                    with self.learned.active(self.model):
+                        out = self.model(inputs_embeds=embeds, attention_mask=mask,
+                                         use_cache=True, logits_to_keep=1)
             cache = out.cache
             keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
             values = torch.stack([layer.values for layer in cache.layers], dim=1)

@@ -1,0 +1,149 @@
+"""Learned chunk encoding (core/prefill/encoding.py): the engine's stitched prompt over blobs made
+with soft tokens and an encode-only LoRA equals the training forward that defines it; the
+query-time model is unchanged; the encoder is part of the fingerprint; bad files are refused."""
+
+import pytest
+import torch
+
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.errors import EncoderMismatch
+from turborag_integrations.core.prefill.anchor import anchor_ids
+from turborag_integrations.core.prefill.blob import fingerprint_model
+from turborag_integrations.core.prefill.encoding import LearnedEncoding, new_lora
+from turborag_integrations.core.prefill.stitch import Segment
+from turborag_integrations.training.distill import make_example, student_logits
+from tests.conftest import tiny_model
+
+CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
+          "The river Xan flows north to the sea."]
+
+
+def encoding_for(loaded, *, soft: int = 3, rank: int = 4, seed: int = 1) -> LearnedEncoding:
+    fp = fingerprint_model(loaded.model, loaded.tokenizer, loaded.name)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = loaded.model.config.hidden_size
+    lora = new_lora(loaded.model, rank, seed=seed) if rank else {}
+    # trained deltas are not zero: give B random values so the LoRA really acts
+    lora = {name: (a.detach(), torch.randn(b.shape, generator=gen) * 0.2, s)
+            for name, (a, b, s) in lora.items()}
+    return LearnedEncoding(soft=torch.randn(soft, hidden, generator=gen) if soft else None,
+                           lora=lora, base_weights=fp.weights, tokenizer=fp.tokenizer,
+                           anchor="chat")
+
+
+def prompt_of(engine, question="Where was Alice born?"):
+    user = "Context:\n" + "\n\n".join(CHUNKS) + f"\n\nQuestion: {question}"
+    return engine.render_chat([{"role": "system", "content": "Use the context."},
+                               {"role": "user", "content": user}])
+
+
+@pytest.mark.parametrize("soft,rank", [(3, 0), (0, 4), (3, 4)])
+def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
+    """Invariant 2 with a learned encoding: blobs encoded with soft tokens and the LoRA on, then
+    stitched and prefilled with the plain model, give the logits of the one masked forward that
+    training optimises (the LoRA on the chunk spans only, the soft tokens in each span's head)."""
+    enc = encoding_for(tiny, soft=soft, rank=rank)
+    engine = TurboRAGEngine(tiny, store=str(tmp_path / "kv"), progress=False, encoder=enc)
+    engine.encode_chunks(CHUNKS)
+    prompt = prompt_of(engine)
+    segments, hits, _ = engine.segments(prompt, CHUNKS)
+    assert hits == len(CHUNKS)
+    pre = engine.prefill(segments, reserve=4)
+    reply = "Paris"
+    tok = tiny.tokenizer
+    anchor = anchor_ids("chat", tok)
+    ex = make_example(tok, prompt, CHUNKS, reply, anchor, soft, tok.pad_token_id)
+    with torch.no_grad():
+        ref = student_logits(tiny.model, enc, ex, len(anchor), num_reply=1)
+    torch.testing.assert_close(pre.logits, ref[0], atol=1e-4, rtol=0)
+    # and the encoding matters: the training-free blobs give other logits
+    plain = TurboRAGEngine(tiny, store=str(tmp_path / "kv2"), progress=False, encoder=None)
+    plain.encode_chunks(CHUNKS)
+    other = plain.prefill(plain.segments(prompt, CHUNKS)[0], reserve=4).logits
+    assert (other - pre.logits).abs().max() > 1e-3
+    engine.cache_pool.release(pre.cache)
+
+
+def test_full_prefill_is_the_unmodified_model(tiny_llama, tmp_path):
+    """Only blobs change: a full prefill with an encoder answers token for token as without."""
+    enc = encoding_for(tiny_llama)
+    with_enc = TurboRAGEngine(tiny_llama, store=str(tmp_path / "a"), progress=False, encoder=enc)
+    without = TurboRAGEngine(tiny_llama, store=str(tmp_path / "b"), progress=False, encoder=None)
+    prompt = prompt_of(with_enc)
+    a = with_enc.generate(prompt, mode="naive")
+    b = without.generate(prompt, mode="naive")
+    assert a.token_ids == b.token_ids
+    assert with_enc.fingerprint.model_id == without.fingerprint.model_id  # same weights
+    state = {k: v.clone() for k, v in tiny_llama.model.state_dict().items()}
+    with_enc.encode_chunks(CHUNKS)
+    assert all(torch.equal(state[k], v) for k, v in tiny_llama.model.state_dict().items())
+
+
+def test_encoder_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
+    kv = str(tmp_path / "kv")
+    one = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=encoding_for(tiny_llama))
+    two = TurboRAGEngine(tiny_llama, store=kv, progress=False,
+                         encoder=encoding_for(tiny_llama, seed=2))
+    none = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=None)
+    keys = {e.chunk_key(CHUNKS[0]) for e in (one, two, none)}
+    assert len(keys) == 3
+    assert len({e.fingerprint.id for e in (one, two, none)}) == 3
+    one.encode_chunks(CHUNKS)
+    assert two.blob_for(CHUNKS[0]) is None  # another encoder's blob is never used
+    assert one.blob_for(CHUNKS[0]) is not None
+
+
+def test_file_round_trip_and_refusals(tiny_llama, tmp_path):
+    enc = encoding_for(tiny_llama)
+    path = enc.save(tmp_path / "enc.safetensors")
+    back = LearnedEncoding.load(path)
+    assert back.digest() == enc.digest()
+    engine = TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False,
+                            encoder=str(path))
+    assert engine.learned.digest() == enc.digest()
+    # another model's weights, another tokenizer, another anchor: refused before any blob
+    other = tiny_model("llama", seed=5)
+    with pytest.raises(EncoderMismatch, match="other model weights"):
+        TurboRAGEngine(other, store=str(tmp_path / "kv"), progress=False, encoder=str(path))
+    bad_tok = LearnedEncoding(soft=enc.soft, base_weights=enc.base_weights, tokenizer="x" * 32)
+    with pytest.raises(EncoderMismatch, match="another tokenizer"):
+        TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False, encoder=bad_tok)
+    with pytest.raises(EncoderMismatch, match="anchor"):
+        TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False, encoder=enc,
+                       anchor="bos")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(EncoderMismatch, match="not a readable"):
+        LearnedEncoding.load(tmp_path / "junk.safetensors")
+    with pytest.raises(EncoderMismatch, match="no encoder file"):
+        LearnedEncoding.load(tmp_path / "missing.safetensors")
+
+
+def test_encoder_lora_acts_only_in_the_thread_that_encodes(tiny_llama):
+    """A chunk encoded on one thread must not change a forward another thread runs at the same
+    moment on the same model (the hooks stay installed; only the encoding thread activates them)."""
+    import threading
+
+    enc = encoding_for(tiny_llama, soft=0, rank=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model = tiny_llama.model
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        inside, outside = threading.Event(), threading.Event()
+        seen = {}
+
+        def other_thread():
+            inside.wait()
+            seen["logits"] = model(input_ids=ids).logits
+            outside.set()
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        with enc.active(model):
+            with_lora = model(input_ids=ids).logits
+            inside.set()
+            outside.wait(30)
+        t.join()
+        after = model(input_ids=ids).logits
+    assert (with_lora - plain).abs().max() > 1e-3
+    torch.testing.assert_close(seen["logits"], plain, atol=0, rtol=0)
+    torch.testing.assert_close(after, plain, atol=0, rtol=0)
