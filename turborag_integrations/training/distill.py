@@ -1,0 +1,269 @@
+"""Train a learned chunk encoding by self-distillation: the stitched prompt learns to read like
+the full one, with the model itself left unchanged.
+
+Teacher: the unmodified model's full causal prefill of a prompt, then the reply (teacher-forced).
+Student: the same model over the same prompt laid out as TurboRAG stitches it (chunks attend only
+to themselves, after the anchor and the soft tokens; every other token sees all before it), with
+the encoder's parameters acting on the chunk spans alone. Loss: KL(teacher ‖ student) of the
+next-token distributions at every reply position (plus, optionally, the reply's cross-entropy).
+No labels are needed: the teacher says what the model would have said.
+
+What is trained (core/prefill/encoding.py): `soft_tokens` input embeddings before every chunk,
+an encode-only LoRA of `lora_rank` on the projections, or both. The base weights never change, so
+the saved file is small and the query-time model is the user's model.
+
+    python -m turborag_integrations.training.mix --out mix.jsonl --n 600 --seed 11
+    turborag finetune out --data mix.jsonl --encoder --soft-tokens 8 --lora-rank 8 --steps 400
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..core.models import load_model
+from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.prefill.blob import fingerprint_model
+from ..core.prefill.encoding import LearnedEncoding, new_lora
+from ..core.prefill.segment import split_prompt
+from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
+from ..evaluation.harness import load_items
+from .collator import prompt_segments
+from .mix import target_reply
+from .templates import render
+
+ENCODER_FILE = "encoder.safetensors"
+META_FILE = "turborag_encoder.json"
+
+
+@dataclass
+class DistillConfig:
+    model: str | None = None
+    data: str = ""
+    out: str = ""
+    steps: int = 300
+    lr: float = 2e-3
+    warmup: int = 10
+    soft_tokens: int = 8
+    lora_rank: int = 0
+    anchor: str = DEFAULT_ANCHOR
+    ce_weight: float = 0.0  # weight of the reply's cross-entropy beside the KL
+    max_tokens: int = 1536  # longer examples are skipped (CPU memory and step time)
+    min_chunks: int = 1
+    seed: int = 0
+    save_every: int = 0  # also write the encoder every N steps (a long run can be stopped)
+
+
+@dataclass
+class DistillExample:
+    teacher_ids: list[int]  # the whole prompt as one text, then the reply
+    teacher_reply_at: int  # index of the token whose logits predict the reply's first token
+    ids: list[int]  # the stitched layout, then the reply
+    positions: list[int]
+    spans: list[tuple[int, int, int]]  # (start, length, hidden) of independently attended spans
+    chunk_spans: list[tuple[int, int, int]]  # the chunks among them (not the plain prompt head)
+    reply_at: int  # like teacher_reply_at, in the layout
+    reply: list[int]
+
+    def mask(self) -> torch.Tensor:
+        return independent_attention_mask(len(self.ids), self.spans)
+
+
+def make_example(tok, prompt: str, chunk_texts: Sequence[str], completion: str,
+                 anchor: Sequence[int], num_soft: int, pad_id: int) -> DistillExample:
+    """Teacher and student sequences of one rendered prompt and its completion.
+
+    The student's prompt is split and tokenized exactly as the engine splits it (training and
+    inference must see the same tokens); each chunk span starts with its copy of the anchor and
+    `num_soft` placeholder slots, which the soft tokens' embeddings replace in the forward."""
+    head = list(anchor) + [pad_id] * num_soft
+    segments = prompt_segments(tok, prompt, chunk_texts, anchor_len=len(head))
+    plan = plan_prompt(segments, tok)
+    lay = layout(plan, head)
+    reply = tok(completion, add_special_tokens=False)["input_ids"]
+    start = plan.next_position + len(head)
+    pieces = split_prompt(prompt, chunk_texts)
+    # the prompt's head (text before the first chunk) is cached plain, never with the encoder
+    has_head = bool(pieces) and not pieces[0][1] and any(c for _, c in pieces[1:])
+    chunk_spans = [s for s in lay.spans if not (has_head and s[0] == 0)]
+    teacher = tok(prompt, add_special_tokens=False)["input_ids"]
+    return DistillExample(teacher + reply, len(teacher) - 1, lay.token_ids + reply,
+                          lay.positions + list(range(start, start + len(reply))), lay.spans,
+                          chunk_spans, len(lay.token_ids) - 1, reply)
+
+
+def student_logits(model, enc: LearnedEncoding, ex: DistillExample, anchor_len: int,
+                   num_reply: int | None = None) -> torch.Tensor:
+    """[reply, vocab] float32 logits of the stitched forward at the reply positions, the
+    encoder's LoRA on the chunk spans only (the definition the engine reproduces: a blob's KV is
+    computed with it, every other token without)."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    n = len(ex.ids)
+    ids = torch.tensor([ex.ids], device=device)
+    soft_at = None
+    if enc.num_soft:
+        # every chunk span has its own soft slots: write them one span at a time
+        soft_at = [s + anchor_len for s, _, _ in ex.chunk_spans]
+    embeds = model.get_input_embeddings()(ids)
+    if soft_at:
+        soft = enc.soft.to(dtype)
+        for at in soft_at:
+            embeds = torch.cat([embeds[:, :at], soft[None], embeds[:, at + enc.num_soft:]], dim=1)
+    token_mask = torch.zeros(1, n, device=device)
+    for s, length, _ in ex.chunk_spans:
+        token_mask[0, s:s + length] = 1
+    allowed = ex.mask().to(device)
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)
+    with enc.active(model, token_mask):
+        out = model.model(inputs_embeds=embeds, position_ids=torch.tensor([ex.positions],
+                                                                          device=device),
+                          attention_mask=additive[None, None], use_cache=False)
+    k = len(ex.reply) if num_reply is None else num_reply
+    hidden = out.last_hidden_state[0, ex.reply_at:ex.reply_at + k]
+    return model.lm_head(hidden).float()
+
+
+@torch.no_grad()
+def teacher_logits(model, ex: DistillExample) -> torch.Tensor:
+    device = next(model.parameters()).device
+    out = model.model(input_ids=torch.tensor([ex.teacher_ids], device=device), use_cache=False)
+    hidden = out.last_hidden_state[0, ex.teacher_reply_at:ex.teacher_reply_at + len(ex.reply)]
+    return model.lm_head(hidden).float()
+
+
+def kl_loss(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher ‖ student), in nats."""
+    t = torch.log_softmax(teacher, dim=-1)
+    s = torch.log_softmax(student, dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def check_disjoint(train_items, eval_paths: Sequence[str | Path]) -> None:
+    """Refuse a training set that shares an item (its question, or any chunk text) with an
+    evaluation set: figures measured on such a set would measure memory, not the method."""
+    seen_q = {it.question.strip(): it.id for it in train_items}
+    seen_c = {c.strip(): it.id for it in train_items for c in it.chunks}
+    problems = []
+    for path in eval_paths:
+        report = load_items(path)
+        for it in report.items:
+            hit = seen_q.get(it.question.strip()) or next(
+                (seen_c[c.strip()] for c in it.chunks if c.strip() in seen_c), None)
+            if hit:
+                problems.append(f"{it.id} ({Path(path).name}) ~ {hit}")
+    if problems:
+        raise ValueError(f"the training set shares {len(problems)} item(s) with the evaluation "
+                         f"set(s): {', '.join(problems[:20])}"
+                         + (" …" if len(problems) > 20 else "")
+                         + ". Remove them from the training data.")
+
+
+def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int,
+                   max_tokens: int, min_chunks: int) -> list[DistillExample]:
+    out = []
+    for it in items:
+        if len(it.chunks) < min_chunks:
+            continue
+        name = it.template or "eval"
+        rendered = render(name, tok, it.question, it.chunks, target_reply(it, name))
+        ex = make_example(tok, rendered.prompt, rendered.chunk_texts, rendered.completion,
+                          anchor, num_soft, pad_id)
+        if len(ex.ids) <= max_tokens and ex.reply:
+            out.append(ex)
+    return out
+
+
+def _save(enc: LearnedEncoding, cfg: DistillConfig, base_model: str, steps: int,
+          path: Path) -> None:
+    enc.meta = {"base_model": base_model, "steps": steps, "lr": cfg.lr,
+                "soft_tokens": cfg.soft_tokens, "lora_rank": cfg.lora_rank, "seed": cfg.seed,
+                "ce_weight": cfg.ce_weight, "data": Path(cfg.data).name,
+                "objective": "KL(full prefill || stitched) over the reply"}
+    enc.save(path)
+
+
+def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] = (),
+            log: Callable[[str], None] = print) -> dict:
+    """Train and save `encoder.safetensors` in cfg.out; returns a summary."""
+    if cfg.soft_tokens < 0 or cfg.lora_rank < 0 or not (cfg.soft_tokens or cfg.lora_rank):
+        raise ValueError("train soft tokens (--soft-tokens N > 0), an encode-only LoRA "
+                         "(--lora-rank R > 0), or both")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    report = load_items(cfg.data)
+    if report.errors:
+        log(f"skipping {len(report.errors)} malformed lines: {report.errors[:3]}")
+    if not report.items:
+        raise ValueError(f"no training items in {cfg.data}")
+    check_disjoint(report.items, eval_sets)
+    loaded = loaded or load_model(cfg.model, progress=False)
+    model, tok = loaded.model, loaded.tokenizer
+    model.eval()  # no dropout: the student must be the inference forward
+    for p in model.parameters():
+        p.requires_grad_(False)
+    fp = fingerprint_model(model, tok, loaded.name)
+    anchor = anchor_ids(cfg.anchor, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    examples = build_examples(tok, report.items, anchor, cfg.soft_tokens, pad,
+                              min(cfg.max_tokens, loaded.context_window), cfg.min_chunks)
+    if not examples:
+        raise ValueError("no training example fits --max-tokens")
+    lengths = sorted(len(e.ids) for e in examples)
+    log(f"{len(examples)} examples, median {lengths[len(lengths) // 2]} tokens")
+
+    soft = None
+    if cfg.soft_tokens:
+        # start from the embeddings of real tokens (the anchor's last tokens, repeated): a
+        # neutral point the model already reads, so step 0 is close to the training-free encoding
+        table = model.get_input_embeddings().weight.detach().float()
+        seed_ids = (anchor or [pad])[-cfg.soft_tokens:]
+        seed_ids = (seed_ids * cfg.soft_tokens)[:cfg.soft_tokens]
+        soft = table[seed_ids].clone().requires_grad_()
+    lora = new_lora(model, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else {}
+    enc = LearnedEncoding(soft=soft, lora=lora, base_weights=fp.weights, tokenizer=fp.tokenizer,
+                          anchor=cfg.anchor)
+    params = ([soft] if soft is not None else []) + [t for a, b, _ in lora.values() for t in (a, b)]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.0, 1 - s / max(1, cfg.steps)))
+    order: list[int] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        if not order:
+            order = rng.sample(range(len(examples)), len(examples))
+        ex = examples[order.pop()]
+        teacher = teacher_logits(model, ex)
+        student = student_logits(model, enc, ex, len(anchor))
+        loss = kl_loss(teacher, student)
+        if cfg.ce_weight:
+            target = torch.tensor(ex.reply, device=student.device)
+            loss = loss + cfg.ce_weight * torch.nn.functional.cross_entropy(student, target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if (step + 1) % 10 == 0 or step == 0:
+            recent = losses[-10:]
+            log(f"step {step + 1}/{cfg.steps} KL {sum(recent) / len(recent):.4f} "
+                f"({time.perf_counter() - t0:.0f}s)")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save(enc, cfg, loaded.name, step + 1, Path(cfg.out) / f"encoder-{step + 1}.safetensors")
+    out = Path(cfg.out)
+    _save(enc, cfg, loaded.name, cfg.steps, out / ENCODER_FILE)
+    summary = {"steps": cfg.steps, "examples": len(examples), "first_loss": losses[0],
+               "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+               "train_s": time.perf_counter() - t0, "config": asdict(cfg),
+               "encoder": str(out / ENCODER_FILE)}
+    (out / META_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
