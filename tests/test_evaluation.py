@@ -87,6 +87,29 @@ def test_anchor_modes_use_sibling_engines_on_one_model(tmp_path):
         ModeSpec.parse("naive@chat")
 
 
+def test_encoder_modes_compare_encoders_against_one_full_prefill(tmp_path):
+    """turbo#FILE and turbo#none run on siblings of the one engine: each chunk encoding gets
+    blobs of its own (its fingerprint), and only the blobs differ, so the replies may."""
+    from tests.core.test_encoding import encoding_for
+
+    loaded = tiny_model("llama")
+    path = encoding_for(loaded, soft=3, rank=4).save(tmp_path / "enc.safetensors")
+    engine = TurboRAGEngine(loaded, store=tmp_path / "kv", encoder=None)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did it in May.", "Orrin did not."]}))
+    modes = ["naive", "turbo", "turbo#none", f"turbo#{path}"]
+    res = evaluate(engine, load_items(p).items, modes, max_new_tokens=4)
+    by = {r["mode"]: r for r in res["answers"]}
+    assert by["turbo"]["reply_kl"] == pytest.approx(by["turbo#none"]["reply_kl"], abs=1e-9)
+    assert by[f"turbo#{path}"]["reply_kl"] != pytest.approx(by["turbo"]["reply_kl"], abs=1e-6)
+    assert res["modes"][f"turbo#{path}"]["reused_fraction"] > 0
+    with pytest.raises(ValueError, match="turbo modes only"):
+        ModeSpec.parse("naive#none")
+    with pytest.raises(ValueError, match="neither"):
+        ModeSpec.parse("turbo#/no/such/file")
+
+
 def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
     a, b = make_items(3, 20), make_items(3, 20)
     assert a == b and make_items(4, 20) != a
@@ -158,13 +181,26 @@ def test_evaluate_tiny_model(tmp_path):
     assert set(res["modes"]) == set(modes)
     for name, m in res["modes"].items():
         assert m["n"] == 2 and {"contains", "em", "f1", "ttft_s", "agreement",
+                                "correct_agreement", "reply_kl", "reply_top1",
                                 "reused_fraction"} <= set(m)
     # naive is the reference: no agreement with itself, shown as "—"
-    assert res["modes"]["naive"]["agreement"] is None and res["modes"]["naive"]["reused_fraction"] == 0
-    assert all(res["modes"][m]["agreement"] is not None for m in modes[1:])
-    assert "| naive | " in markdown_table(res)
-    naive_line = next(l for l in markdown_table(res).splitlines() if l.startswith("| naive |"))
-    assert naive_line.split("|")[7].strip() == "—"
+    naive = res["modes"]["naive"]
+    assert naive["agreement"] is naive["correct_agreement"] is naive["reply_kl"] is None
+    assert naive["reply_top1"] is None and naive["reused_fraction"] == 0
+    for name in modes[1:]:
+        m = res["modes"][name]
+        assert None not in (m["agreement"], m["correct_agreement"], m["reply_kl"], m["reply_top1"])
+        assert m["reply_kl"] >= 0 and 0 <= m["reply_top1"] <= 100
+    table = markdown_table(res)
+    header = [c.strip() for c in table.splitlines()[0].split("|")[1:-1]]
+    assert header[:6] == ["mode", "correct %", "same reply as full %", "correctness agrees %",
+                          "reply KL", "reply top-1 %"]
+    assert "agreement w/ naive %" not in header
+    assert "| naive | " in table
+    naive_line = next(l for l in table.splitlines() if l.startswith("| naive |"))
+    assert [c.strip() for c in naive_line.split("|")[3:7]] == ["—"] * 4
+    turbo_line = next(l for l in table.splitlines() if l.startswith("| turbo |"))
+    assert turbo_line.split("|")[6].strip() == f"{res['modes']['turbo']['reply_top1']:.1f}"
     assert res["modes"]["turbo"]["reused_fraction"] > res["modes"]["turbo+boundary:4"]["reused_fraction"] > 0
     assert len(res["answers"]) == 2 * len(modes)
     notes = write_results(res, tmp_path / "out", png=True)
@@ -248,3 +284,173 @@ def test_evaluation_never_imports_training():
             # `from ..training.x import y`, `from .. import training`, `import ...training`
             names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
             assert not any("training" in n.split(".") for n in names), (path.name, names)
+
+
+def test_token_agreement_of_identical_and_different_logits():
+    import math
+
+    import torch
+
+    from turborag_integrations.evaluation.agreement import token_agreement
+
+    torch.manual_seed(0)
+    ref = torch.randn(5, 11) * 3
+    assert token_agreement(ref, ref.clone()) == (0.0, 100.0)
+    assert token_agreement(ref, ref + 7.0) == pytest.approx((0.0, 100.0), abs=1e-12)  # a shift
+    # two positions over a vocabulary of 2, by hand: p = (0.5, 0.5) and q = (0.9, 0.1) at the
+    # first (argmax 0 for both: torch takes the first of a tie), p = (0.9, 0.1) and q = (0.1,
+    # 0.9) at the second (argmax 0 against 1)
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log()
+    q = torch.tensor([[0.9, 0.1], [0.1, 0.9]]).log()
+    kl0 = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    kl1 = 0.9 * math.log(0.9 / 0.1) + 0.1 * math.log(0.1 / 0.9)
+    kl, top1 = token_agreement(p, q)
+    assert kl == pytest.approx((kl0 + kl1) / 2) and top1 == 50.0
+    assert token_agreement(q, p)[0] != pytest.approx(kl)  # KL(naive ‖ mode), not symmetric
+    # a token the reference rules out costs nothing, whatever the mode gives it
+    kl, _ = token_agreement(torch.tensor([[0.0, float("-inf")]]), torch.tensor([[0.0, 0.0]]))
+    assert kl == pytest.approx(math.log(2))
+    with pytest.raises(ValueError):
+        token_agreement(torch.zeros(0, 3), torch.zeros(0, 3))
+
+
+def test_teacher_forced_naive_reply_reproduces_the_greedy_reply(tmp_path):
+    """The reference logits are those greedy decoding followed: their argmax at each reply
+    position is the reply's token; the same path again (turbo without cached chunks is a plain
+    prefill) agrees exactly, a stitched one does not."""
+    import torch
+
+    from turborag_integrations.core.settings import GenerationConfig
+    from turborag_integrations.evaluation.agreement import reply_logits, token_agreement
+    from turborag_integrations.evaluation.prompt import build_prompt
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    prompt, texts = build_prompt(engine.tokenizer, "Who?", ["Tamsin did.", "Orrin not."])
+    res = engine.generate(prompt, mode="naive", config=GenerationConfig(max_new_tokens=6))
+    ids = res.token_ids
+    assert len(ids) > 1
+    ref = reply_logits(engine, prompt, ids, mode="naive")
+    assert ref.shape[0] == len(ids) and ref.dtype == torch.float32
+    assert ref.argmax(-1).tolist() == ids
+    # the same logits as one causal forward over prompt + reply, without any cache
+    pre = engine.prefill(engine.segments(prompt, mode="naive")[0])
+    engine.cache_pool.release(pre.cache)
+    seq = list(pre.plan.token_ids) + ids
+    with torch.inference_mode():
+        whole = engine.model(input_ids=torch.tensor([seq])).logits[0].float()
+    n = len(pre.plan.token_ids)
+    torch.testing.assert_close(ref, whole[n - 1:n - 1 + len(ids)], atol=1e-4, rtol=1e-4)
+    same = reply_logits(engine, prompt, ids, mode="turbo")  # no chunks: one plain segment
+    assert token_agreement(ref, same) == (0.0, 100.0)
+    engine.encode_chunks(texts)
+    stitched = reply_logits(engine, prompt, ids, chunks=texts, mode="turbo")
+    assert stitched.shape == ref.shape
+    assert token_agreement(ref, stitched)[0] > 1e-6
+
+
+def test_token_agreement_in_evaluate(tmp_path):
+    """Recomputing every chunk token is a full prefill: KL 0 and top-1 100 against naive, up to
+    rounding; plain stitching differs. --no-token-agreement leaves the fields out."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did.", "Orrin not."]}))
+    items = load_items(p).items
+    res = evaluate(engine, items, ["turbo+boundary:100000", "turbo", "naive"], max_new_tokens=6)
+    full, turbo = res["modes"]["turbo+boundary:100000"], res["modes"]["turbo"]
+    assert full["reply_kl"] == pytest.approx(0.0, abs=1e-6) and full["reply_top1"] == 100
+    assert turbo["reply_kl"] > 1e-6
+    rows = {r["mode"]: r for r in res["answers"]}
+    assert rows["turbo"]["reply_kl"] == turbo["reply_kl"]
+    assert "reply_kl" not in rows["naive"] and "correct_agrees" not in rows["naive"]
+    off = evaluate(engine, items, ["naive", "turbo"], max_new_tokens=6, token_agreement=False)
+    assert off["modes"]["turbo"]["reply_kl"] is off["modes"]["turbo"]["reply_top1"] is None
+    assert off["modes"]["turbo"]["agreement"] is not None
+    assert all("reply_kl" not in r for r in off["answers"])
+    # without a naive mode there is no reference: nothing to compare with
+    alone = evaluate(engine, items, ["turbo"], max_new_tokens=2)
+    assert alone["modes"]["turbo"]["reply_kl"] is alone["modes"]["turbo"]["agreement"] is None
+
+
+def test_correct_agreement_and_same_reply(tmp_path, monkeypatch):
+    """Fixed replies per mode and question: agreement compares the replies, correct_agreement
+    whether both are right or both wrong; an empty naive reply has no token agreement."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    rows = [{"id": "a", "question": "Who?", "answers": ["Tamsin"], "chunks": ["Tamsin did."]},
+            {"id": "b", "question": "When?", "answers": ["1612"], "chunks": ["In 1612."]},
+            {"id": "c", "question": "Why?", "answers": ["rain"], "chunks": ["For rain."]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    replies = {  # (mode, positions) -> reply per question
+        ("naive", None): {"Who?": "Tamsin", "When?": "no idea", "Why?": ""},
+        ("turbo", None): {"Who?": "Tamsin.", "When?": "in 1600", "Why?": "rain"},
+        ("turbo", "composite"): {"Who?": "Orrin", "When?": "no idea", "Why?": ""},
+    }
+    from turborag_integrations.core import engine as engine_mod
+
+    real = engine_mod.TurboRAGEngine.generate
+
+    def fixed(self, prompt, **k):
+        result = real(self, prompt, **k)
+        composite = k["mode"] == "turbo" and k.get("positions") == "composite"
+        table = replies[k["mode"], "composite" if composite else None]
+        result.text = next((v for q, v in table.items() if q in prompt), result.text)  # warmup
+        if result.text == "":
+            result.token_ids = []  # an empty reply, as after an end-of-sequence first token
+        return result
+
+    monkeypatch.setattr(engine_mod.TurboRAGEngine, "generate", fixed)
+    res = evaluate(engine, load_items(p).items, ["naive", "turbo", "turbo-composite"],
+                   max_new_tokens=3)
+    m = res["modes"]
+    # turbo: same reply on a only; correct as naive on a (both right), b (both wrong), not c
+    assert m["turbo"]["agreement"] == pytest.approx(100 / 3)
+    assert m["turbo"]["correct_agreement"] == pytest.approx(200 / 3)
+    # turbo-composite: same reply on b and c; correctness agrees on b and c (a: wrong vs right)
+    assert m["turbo-composite"]["agreement"] == pytest.approx(200 / 3)
+    assert m["turbo-composite"]["correct_agreement"] == pytest.approx(200 / 3)
+    assert m["naive"]["correct_agreement"] is None
+    by = {(r["mode"], r["id"]): r for r in res["answers"]}
+    assert [by["turbo", i]["correct_agrees"] for i in "abc"] == [1.0, 1.0, 0.0]
+    assert [by["turbo-composite", i]["correct_agrees"] for i in "abc"] == [0.0, 1.0, 1.0]
+    # c's naive reply is empty: no positions to compare, and the means leave it out
+    assert by["turbo", "c"]["reply_kl"] is None and by["turbo", "c"]["reply_top1"] is None
+    assert by["turbo", "a"]["reply_kl"] is not None
+    assert m["turbo"]["reply_kl"] == pytest.approx(
+        (by["turbo", "a"]["reply_kl"] + by["turbo", "b"]["reply_kl"]) / 2)
+
+
+def test_eval_command_options(tmp_path, monkeypatch):
+    """The query-time model is unmodified by default (--adapter none), --encoder reaches the
+    engine ('none' as None), and --no-token-agreement reaches evaluate."""
+    from typer.testing import CliRunner
+
+    from turborag_integrations.cli import app
+    from turborag_integrations.core import engine as engine_mod
+
+    real = engine_mod.TurboRAGEngine
+    made = []
+
+    def engine(model=None, **kwargs):
+        made.append(dict(kwargs))
+        kwargs.pop("encoder", None)  # recorded; the tiny model has no encoder of its own
+        return real(tiny_model("llama"), **{**kwargs, "adapter": None})
+
+    monkeypatch.setattr(engine_mod, "TurboRAGEngine", engine)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did."]}))
+    runner = CliRunner()
+    for args, encoder, agreement in (([], "default", True),
+                                     (["--encoder", "none", "--no-token-agreement"], None, False),
+                                     (["--encoder", "x/enc.safetensors"], "x/enc.safetensors",
+                                      True)):
+        out = tmp_path / f"out{len(made)}"
+        result = runner.invoke(app, ["eval", str(p), "--modes", "naive,turbo", "--out", str(out),
+                                     "--max-new-tokens", "2", *args])
+        assert result.exit_code == 0, result.output
+        assert made[-1]["adapter"] == "none" and made[-1]["encoder"] == encoder
+        summary = json.loads((out / "results.json").read_text())
+        assert summary["encoder"] == encoder
+        assert (summary["modes"]["turbo"]["reply_kl"] is not None) == agreement
+        assert "same reply as full %" in (out / "table.md").read_text()

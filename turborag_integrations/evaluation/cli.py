@@ -17,6 +17,8 @@ import typer
 DEVSET = Path(__file__).resolve().parents[1] / "data" / "devset"
 # Hand-written, never trained on or used to choose settings: report on it once.
 HELDOUT = Path(__file__).resolve().parents[1] / "data" / "heldout" / "heldout.jsonl"
+# Hand-written too, for choosing settings (encoder candidates, steps, recovery) before HELDOUT.
+HANDDEV = Path(__file__).resolve().parents[1] / "data" / "handdev" / "handdev.jsonl"
 # Long documents for RAPID's modes: dev chooses η, test is reported (evaluation/longdoc.py).
 LONGDOC = Path(__file__).resolve().parents[1] / "data" / "longdoc"
 
@@ -33,8 +35,13 @@ def eval_command(
                                           "long-document modes a long-document set (default: "
                                           "the bundled longdoc test split)"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
-    adapter: str = typer.Option("default", help="LoRA adapter merged at load: 'default' (the one "
-                                "shipped for the bundled model), 'none', or a file"),
+    adapter: str = typer.Option("none", help="LoRA adapter merged into the query-time model at "
+                                "load: 'none' (default: the user's unmodified model — a merged "
+                                "adapter changes every answer, the full prefill's included), "
+                                "'default' (the one shipped for the bundled model), or a file"),
+    encoder: str = typer.Option("default", help="chunk encoder the blobs are made with: "
+                                "'default' (the one shipped for the model), 'none' (the "
+                                "query-time model itself), or a path"),
     modes: Optional[str] = typer.Option(
         None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
                    "(boundary:K, blend:R), ft:MODE; or, on a long-document set, long-context, "
@@ -49,7 +56,12 @@ def eval_command(
     limit: Optional[int] = typer.Option(None, help="evaluate the first N items "
                                         "(long-document sets: documents) only"),
     table: bool = typer.Option(True, help="write and print a markdown table"),
-    plot: bool = typer.Option(False, help="write plot.png (accuracy vs TTFT; needs matplotlib)"),
+    plot: bool = typer.Option(False, help="write plot.png: correct % and same-reply-as-full % "
+                              "against the TTFT speed-up vs naive, per mode (needs matplotlib)"),
+    token_agreement: bool = typer.Option(True, "--token-agreement/--no-token-agreement",
+                                         help="also measure the reply KL and top-1 agreement "
+                                         "with the full prefill, the naive reply teacher-forced "
+                                         "(one extra forward per item and mode)"),
     json_out: bool = typer.Option(False, "--json", help="print the results JSON to stdout"),
     dev: Path = typer.Option(LONGDOC / "dev.jsonl", help="long-document modes: the set on which "
                              "mode 'rapid' chooses η (never the evaluated documents)"),
@@ -110,7 +122,8 @@ def eval_command(
             ft_doc = bool(info.get("doc_tokens"))
     try:
         with temporary_store() as base_kv, temporary_store() as ft_kv:
-            engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter)
+            engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter,
+                                    encoder=_encoder_arg(encoder))
             ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False, adapter=None) \
                 if finetuned is not None else None
 
@@ -120,7 +133,7 @@ def eval_command(
 
             results = evaluate(engine, report.items, mode_list, max_new_tokens=max_new_tokens,
                                ft_engine=ft_engine, ft_doc_tokens=ft_doc, progress=progress,
-                               limit=limit)
+                               limit=limit, token_agreement=token_agreement)
     except (TurboRAGError, ValueError) as exc:
         fail(str(exc))
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
@@ -128,6 +141,7 @@ def eval_command(
     results["model"] = model or DEFAULT_MODEL
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
+    results["encoder"] = _encoder_arg(encoder)
     if finetuned is not None:
         results["finetuned"] = str(finetuned)
     for s in results["skipped"]:
@@ -141,6 +155,10 @@ def eval_command(
         typer.echo(markdown_table(results))
     typer.echo(f"results in {out}/", err=True)
 
+
+def _encoder_arg(value: str) -> str | None:
+    """--encoder as TurboRAGEngine takes it: "none" → None, "default" or a path as given."""
+    return None if value == "none" else value
 
 
 def _eval_long(data: Path, modes: list[str], *, model, adapter, drafter, dev: Path, dev_limit,

@@ -8,17 +8,28 @@ keys are ignored. For each mode every item is answered greedily and scored:
   an unanswerable one when its reply refuses (`metrics.is_refusal`)
 - contains: a normalised answer occurs in the normalised reply (whole words), answerable items
 - em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
-- agreement: the reply equals (normalised) the `naive` reply of the same model on that item
+- agreement with the full prefill, against the `naive` reply of the same model on that item
   (`ft:naive` for the fine-tuned modes); None for `naive` and `ft:naive` themselves, the
-  references
+  references, and absent without a naive mode in the run:
+  - agreement: the share of items whose reply equals (normalised) the naive reply (per row
+    "agrees_with_naive")
+  - correct_agreement: the share whose `correct` equals the naive reply's (row "correct_agrees")
+  - reply_kl / reply_top1 (token_agreement=True): the naive reply's tokens teacher-forced through
+    both paths; at each reply position, KL(naive ‖ mode) of the next-token distributions in
+    nats, and whether their most likely tokens are the same (evaluation/agreement.py). Per row
+    the mean KL and the top-1 share (%) over the reply; per mode their means over the items.
+    None for an item whose naive reply is empty. Costs one prefill and one forward per item and
+    mode (and per item for the naive reference), outside the timings
 - ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
 Modes: "naive" (full prefill), "turbo" (stitched, reordered positions), "turbo-composite",
 either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), with a chunk anchor
 other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
-prompt's own head, known at ingestion here), and every mode of a fine-tuned model, prefixed "ft:"
-("ft:turbo", "ft:naive").
+prompt's own head, known at ingestion here), with a chunk encoder other than the engine's
+("turbo#none": training-free; "turbo#FILE": that learned encoder file; one full-prefill
+reference serves them all, since an encoder never changes the model), and every mode of a
+fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive").
 
 Every mode averages the same items: an item that does not fit the context window of one mode
 (the prompt's check before any generation, or a stitched prompt that tokenizes longer than the
@@ -39,6 +50,7 @@ from typing import Callable, Iterable, Sequence
 from ..core.errors import ContextWindowError
 from ..core.settings import GenerationConfig
 from ..core.prefill.recovery import parse_recovery
+from .agreement import reply_logits, token_agreement
 from .jsonl import read_jsonl
 from .metrics import is_refusal, normalize, score
 from .prompt import build_prompt, prompt_head
@@ -102,6 +114,7 @@ class ModeSpec:
     positions: str  # reordered | composite
     recovery: str | None
     anchor: str | None = None  # None: the engine's own
+    encoder: str | None = None  # None: the engine's own; "none" or an encoder file otherwise
 
     @classmethod
     def parse(cls, name: str) -> "ModeSpec":
@@ -109,6 +122,10 @@ class ModeSpec:
         ft = body.startswith("ft:")
         if ft:
             body = body[3:]
+        body, _, encoder = body.partition("#")
+        if encoder and encoder != "none" and not Path(encoder).is_file():
+            raise ValueError(f"mode {name!r}: the encoder after '#' must be 'none' or an "
+                             f"encoder file; {encoder!r} is neither")
         body, _, anchor = body.partition("@")
         if anchor and anchor not in ANCHOR_MODES:
             raise ValueError(f"unknown anchor in mode {name!r}: use one of {ANCHOR_MODES}")
@@ -116,30 +133,44 @@ class ModeSpec:
         if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
             raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
                              "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
-        if base == "naive" and (rec or anchor):
-            raise ValueError(f"mode {name!r}: recovery and anchors apply to turbo modes only")
+        if base == "naive" and (rec or anchor or encoder):
+            raise ValueError(f"mode {name!r}: recovery, anchors and encoders apply to turbo "
+                             "modes only (a full prefill uses no blob)")
         parse_recovery(rec or None)  # validate early
         return cls(name.strip(), ft, "naive" if base == "naive" else "turbo",
                    "composite" if base == "turbo-composite" else "reordered", rec or None,
-                   anchor or None)
+                   anchor or None, encoder or None)
 
 
 ANCHOR_MODES = ("none", "bos", "chat", "head")
 
 
-def _with_anchor(engine, anchor: str | None, head: str):
-    """The engine itself, or a sibling on the same model and store with another chunk anchor."""
-    if anchor is None:
+def _sibling(engine, anchor: str | None, encoder: str | None, head: str):
+    """The engine itself, or a sibling on the same model and store with another chunk anchor or
+    chunk encoder (one model in memory, one full-prefill reference for all of them)."""
+    if anchor is None and encoder is None:
         return engine
-    spec = head if anchor == "head" else anchor
+    spec = engine.anchor if anchor is None else head if anchor == "head" else anchor
+    if encoder is not None:
+        from ..core.engine import TurboRAGEngine
+
+        return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
+                              progress=False, anchor=spec, adapter=None,
+                              encoder=None if encoder == "none" else encoder)
     if spec == engine.anchor or (anchor == "head" and engine.anchor_text == head):
         return engine
     from ..core.engine import TurboRAGEngine
 
     # adapter=None: the model is already what the parent engine made it (an adapter merges into
-    # the weights in place, so a sibling must never merge one again)
+    # the weights in place, so a sibling must never merge one again). A learned chunk encoder is
+    # trained after one anchor: the sibling keeps the parent's where it is that anchor, and
+    # encodes training-free (encoder=None) after any other.
+    extra = {}
+    if hasattr(engine, "learned"):  # an engine with learned chunk encoders
+        learned = engine.learned
+        extra["encoder"] = learned if learned is not None and learned.anchor == spec else None
     return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec, adapter=None)
+                          progress=False, anchor=spec, adapter=None, **extra)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -149,8 +180,11 @@ def _median(xs: Sequence[float]) -> float:
 def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tokens: int = 24,
              ft_engine=None, ft_doc_tokens: bool = False,
              progress: Callable[[str, int, int], None] | None = None,
-             limit: int | None = None) -> dict:
-    """Run every mode over the items; return {"modes": {...}, "answers": [...], "skipped": [...]}."""
+             limit: int | None = None, token_agreement: bool = True) -> dict:
+    """Run every mode over the items; return {"modes": {...}, "answers": [...], "skipped": [...]}.
+
+    token_agreement: also measure reply_kl / reply_top1 against the naive reply (one extra
+    prefill and forward per item and mode)."""
     specs = [ModeSpec.parse(m) for m in modes]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -180,9 +214,12 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
         prepared[ft] = table
         chunks = sorted({c for p in table.values() for c in p[1]})
         head = prompt_head(eng.tokenizer)
+        siblings: dict = {}
         for spec in specs:
             if spec.finetuned == ft:
-                engines[spec] = _with_anchor(eng, spec.anchor, head)
+                key = (spec.anchor, spec.encoder)
+                engines[spec] = siblings.get(key) or siblings.setdefault(
+                    key, _sibling(eng, spec.anchor, spec.encoder, head))
         for e in {id(engines[s]): engines[s] for s in specs
                   if s.finetuned == ft and s.mode == "turbo"}.values():
             if chunks:
@@ -191,6 +228,8 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     todo = [it for it in items if it.id not in skipped]
     rows_of: dict[str, list[dict]] = {}
     naive_reply: dict[tuple[bool, str], str] = {}
+    naive_correct: dict[tuple[bool, str], float] = {}
+    naive_ids: dict[tuple[bool, str], list[int]] = {}  # empty: an empty reply
     for spec in specs:
         eng = engines[spec]
         rows = rows_of[spec.name] = []
@@ -219,11 +258,16 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             key = (spec.finetuned, it.id)
             if spec.mode == "naive":  # the reference: its agreement with itself says nothing
                 naive_reply[key] = normalize(text)
+                naive_correct[key] = correct
+                naive_ids[key] = list(res.token_ids) if text else []
             elif key in naive_reply:
                 row["agrees_with_naive"] = float(normalize(text) == naive_reply[key])
+                row["correct_agrees"] = float(correct == naive_correct[key])
             rows.append(row)
             if progress:
                 progress(spec.name, i + 1, len(todo))
+    if token_agreement:  # after every mode ran: only the items no mode skipped
+        _token_agreement(specs, engines, todo, skipped, prepared, rows_of, naive_ids)
     # An item a later mode skipped is dropped from the earlier modes too.
     answers: list[dict] = []
     per_mode: dict[str, dict] = {}
@@ -238,9 +282,44 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             "skipped": [{"id": k, "reason": v} for k, v in skipped.items()]}
 
 
+def _token_agreement(specs, engines, items, skipped, prepared, rows_of, naive_ids) -> None:
+    """Fill in reply_kl / reply_top1 on the rows of every mode compared with a naive reply.
+
+    Item by item: the naive reference logits are computed once per item and model and serve
+    every mode of that model (only one item's are held at a time)."""
+    rows = {(r["mode"], r["id"]): r for rs in rows_of.values() for r in rs}
+    naive_spec = {s.finetuned: s for s in specs if s.mode == "naive"}
+    for it in items:
+        if it.id in skipped:
+            continue
+        for ft, ref_spec in naive_spec.items():
+            others = [s for s in specs if s.finetuned == ft and s.mode != "naive"
+                      and (s.name, it.id) in rows]
+            ids = naive_ids.get((ft, it.id))
+            if not others or ids is None:
+                continue
+            if not ids:  # an empty naive reply: no positions to compare
+                for spec in others:
+                    rows[spec.name, it.id].update(reply_kl=None, reply_top1=None)
+                continue
+            prompt, texts = prepared[ft][it.id]
+            reference = reply_logits(engines[ref_spec], prompt, ids, mode="naive")
+            for spec in others:
+                logits = reply_logits(engines[spec], prompt, ids, chunks=texts, mode=spec.mode,
+                                      positions=spec.positions, recovery=spec.recovery)
+                kl, top1 = token_agreement(reference, logits)
+                rows[spec.name, it.id].update(reply_kl=kl, reply_top1=top1)
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def _summary(rows: list[dict]) -> dict:
     n = len(rows) or 1
     agree = [r["agrees_with_naive"] for r in rows if "agrees_with_naive" in r]
+    correct_agree = [r["correct_agrees"] for r in rows if "correct_agrees" in r]
     ans = [r for r in rows if not r["unanswerable"]]
     una = [r for r in rows if r["unanswerable"]]
     na = len(ans) or 1
@@ -255,41 +334,69 @@ def _summary(rows: list[dict]) -> dict:
                                  if una else None),
         "refused_answerable": 100 * sum(r["refused"] for r in ans) / na,
         "agreement": 100 * sum(agree) / len(agree) if agree else None,
+        "correct_agreement": (100 * sum(correct_agree) / len(correct_agree)
+                              if correct_agree else None),
+        "reply_kl": _mean([r.get("reply_kl") for r in rows]),
+        "reply_top1": _mean([r.get("reply_top1") for r in rows]),
         "ttft_s": _median([r["ttft_s"] for r in rows]),
         "reused_fraction": sum(r["reused_tokens"] / r["prompt_tokens"] for r in rows) / n,
         "prompt_tokens": _median([r["prompt_tokens"] for r in rows]),
     }
 
 
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
 def markdown_table(results: dict) -> str:
-    lines = ["| mode | correct % | contains % | EM % | F1 % | refused unanswerable % | "
-             "agreement w/ naive % | median TTFT s | TTFT speed-up | reused % |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per mode: accuracy and, beside it, agreement with the full prefill (naive)."""
+    lines = ["| mode | correct % | same reply as full % | correctness agrees % | reply KL | "
+             "reply top-1 % | contains % | EM % | F1 % | refused unanswerable % | "
+             "median TTFT s | TTFT speed-up | reused % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["modes"].items():
-        agree = "—" if m.get("agreement") is None else f"{m['agreement']:.1f}"
-        sp = "—" if m.get("speedup_vs_naive") is None else f"{m['speedup_vs_naive']:.1f}x"
-        ref = "—" if m.get("refused_unanswerable") is None else f"{m['refused_unanswerable']:.0f}"
-        lines.append(f"| {name} | {m.get('correct', m['contains']):.1f} | {m['contains']:.1f} | "
-                     f"{m['em']:.1f} | {m['f1']:.1f} | {ref} | {agree} | "
-                     f"{m['ttft_s']:.3f} | {sp} | {100 * m['reused_fraction']:.0f} |")
+        lines.append(
+            f"| {name} | {m.get('correct', m['contains']):.1f} | "
+            f"{_fmt(m.get('agreement'), '.1f')} | {_fmt(m.get('correct_agreement'), '.1f')} | "
+            f"{_fmt(m.get('reply_kl'), '.3g')} | {_fmt(m.get('reply_top1'), '.1f')} | "
+            f"{m['contains']:.1f} | {m['em']:.1f} | {m['f1']:.1f} | "
+            f"{_fmt(m.get('refused_unanswerable'), '.0f')} | {m['ttft_s']:.3f} | "
+            f"{_fmt(m.get('speedup_vs_naive'), '.1f', 'x')} | "
+            f"{100 * m['reused_fraction']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: str | Path) -> str | None:
-    """Accuracy (contains) against median TTFT per mode. Returns a message when skipped."""
+    """The accuracy/speed frontier: correct % (left) and same-reply-as-full % (right) against
+    the TTFT speed-up over naive (log), one labelled point per mode. Returns a message when
+    skipped."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: plot skipped (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in results["modes"].items():
-        ax.scatter(m["ttft_s"], m.get("correct", m["contains"]))
-        ax.annotate(name, (m["ttft_s"], m.get("correct", m["contains"])), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("median TTFT (s, log)")
-    ax.set_ylabel("correct (%): answers contained, unanswerable refused")
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    panels = ((left, "correct", "correct %", "accuracy (answers contained, unanswerable refused)"),
+              (right, "agreement", "same reply as full %", "agreement with the full prefill"))
+    speed = FuncFormatter(lambda v, _: f"{v:g}x")
+    for ax, key, label, title in panels:
+        for i, (name, m) in enumerate(results["modes"].items()):
+            x, y = m.get("speedup_vs_naive"), m.get(key)
+            if key == "agreement" and y is None and name in ("naive", "ft:naive"):
+                y = 100.0  # the reference is its own full prefill
+            if x is None or y is None:
+                continue
+            ax.scatter(x, y, color=f"C{i % 10}")  # one colour per mode in both panels
+            ax.annotate(name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(speed)
+        ax.xaxis.set_minor_formatter(speed)
+        ax.set_xlabel("TTFT speed-up vs naive (log)")
+        ax.set_ylabel(label)
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
