@@ -3,28 +3,52 @@
     python benchmarks/pipelines.py                                   # the held-out set
     python benchmarks/pipelines.py turborag_integrations/data/devset/test.jsonl --limit 3
     python benchmarks/pipelines.py --pipelines langchain --engine-arg positions=composite --json
+    python benchmarks/pipelines.py --k 10                            # top-10 retrieval
+    python benchmarks/pipelines.py --per-item                        # the old per-item corpora
     python benchmarks/pipelines.py --out answers.jsonl               # every reply, one per line
 
-Each item of the JSONL set ({"id", "question", "answers": [...], "chunks": [...],
-"unanswerable": bool}) gets its own small corpus, one node / document per chunk (no further
-splitting), in a fresh collection of an embedded Chroma (bundled MiniLM embeddings) behind our
-KVCachingVectorStore, which stores each chunk's KV blob at ingestion. Then every chunk is
-retrieved (top-k = number of chunks) and answered by:
+The JSONL set has lines {"id", "question", "answers": [...], "chunks": [...], "gold": [indices
+into chunks], "unanswerable": bool}. Corpus (one node / document per chunk, no further splitting,
+in an embedded Chroma with the bundled MiniLM embeddings, behind our KVCachingVectorStore, which
+stores each chunk's KV blob at ingestion):
+
+- shared (the default): the union of the chunks of all items of the set (all of them, whatever
+  --limit says), deduplicated, ingested once per pipeline into one collection before any item is
+  asked (not timed); each question retrieves the top --k (default 6) chunks from it. This is how
+  the pipelines are used: a corpus wider than the question, so the prompt holds distractors from
+  other items and the gold chunk may be missed ("gold_retrieved"). On the held-out set (5.7
+  chunks per item) k = 6 gives prompts about as long as per-item ones, ≈700 tokens with
+  SmolLM2's tokenizer; a larger k gives longer ones;
+- --per-item: each item gets its own collection holding only its chunks, and every one of them is
+  retrieved (k = number of chunks). The model then sees only its own item's chunks, gold always
+  among them: an easier task than real use, kept so older result files stay reproducible.
+
+Each question is answered by:
 
 - llama_index: `index.as_query_engine(llm=llm, node_postprocessors=[llm.postprocessor()],
   similarity_top_k=k)`, default (compact) response mode and default templates;
 - langchain: `{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt |
-  chat_model | StrOutputParser()` with the common RAG prompt ("You are an assistant for
-  question-answering tasks. ...").
+  chat_model | StrOutputParser()` with the common question-first RAG prompt ("You are an
+  assistant for question-answering tasks. ... Question: ... Context: ..."); stitching needs
+  `--engine-arg question_last=true` there, which moves the chunks before the question;
+- langchain_system: the same chain with the context-first chat prompt of LangChain's tutorials
+  (system: "Answer the question based only on the following context: {context}", human: the
+  question).
 
 Each pipeline answers twice with one and the same query engine / chain: the LLM in mode "turbo"
 (stitched chunk KV caches) and in mode "naive" (full prefill). Decoding is greedy and stops at a
 blank line or after --max-new-tokens. An answerable item is correct when a normalised answer occurs
-in the reply; an item marked "unanswerable" is correct when the reply declines (is_refusal). Time
-to first token and reused tokens come from the LLM's own stats (model side: chunk lookup, blob
-loading, stitching and prefill; not retrieval). The first item is answered once untimed in each
-mode and pipeline before it is measured, so one-off costs (the template head's blob) are not
-counted.
+in the reply; an item marked "unanswerable" is correct when the reply declines (is_refusal). Each
+row also records which chunks the pipeline retrieved (LlamaIndex: the response's source nodes;
+LangChain: the documents reaching format_docs): how many, and whether one of the item's gold
+chunks was among them ("gold_retrieved", for items with "gold"). Per pipeline and mode the summary
+gives the share of items whose gold was retrieved, how often the TurboRAG reply equals the
+full-prefill one, and how often the two are both right or both wrong. Time to first token and
+reused tokens come from the LLM's own stats (model side: chunk lookup, blob loading, stitching and
+prefill; not retrieval). The first item is answered once untimed in each mode and pipeline before
+it is measured, so one-off costs (the template head's blob) are not counted. Ingesting the shared
+corpus encodes every chunk of the set once (408 for the held-out set; minutes on a CPU), even for
+--limit 1; the second pipeline reuses the first one's blobs.
 """
 
 from __future__ import annotations
@@ -35,21 +59,24 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")  # Chroma: no telemetry attempts offline
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "turborag_integrations" / "data" / "heldout" / "heldout.jsonl"
-PIPELINES = ("llama_index", "langchain")
+PIPELINES = ("llama_index", "langchain", "langchain_system")
 MODES = ("naive", "turbo")  # full prefill first: the baseline of each item
 MODE_NAMES = {"naive": "full prefill", "turbo": "TurboRAG"}
 STOP = ("\n\n",)  # a blank line ends the answer
+DEFAULT_K = 6  # chunks retrieved per question from the shared corpus
 LANGCHAIN_RAG_PROMPT = (
     "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
     "context to answer the question. If you don't know the answer, just say that you don't know. "
     "Use three sentences maximum and keep the answer concise.\nQuestion: {question} \n"
     "Context: {context} \nAnswer:")
+LANGCHAIN_SYSTEM_PROMPT = "Answer the question based only on the following context:\n\n{context}"
 
 
 # ---- data -------------------------------------------------------------------------------------
@@ -60,9 +87,23 @@ def load_jsonl(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
 
     report = load_items(path)
     items = [{"id": it.id, "question": it.question, "answers": it.answers, "chunks": it.chunks,
+              "gold": [g for g in it.gold if isinstance(g, int) and 0 <= g < len(it.chunks)],
               "unanswerable": it.unanswerable, "line": it.line} for it in report.items
              if it.chunks]
     return items, report.errors
+
+
+def shared_corpus(items: list[dict]) -> list[str]:
+    """Every distinct chunk of `items`, once, in order of first appearance."""
+    return list(dict.fromkeys(c for it in items for c in it["chunks"]))
+
+
+def gold_retrieved(item: dict, retrieved: list[str]) -> bool | None:
+    """Whether one of the item's gold chunks is among the retrieved texts; None without gold."""
+    if not item.get("gold"):
+        return None
+    texts = set(retrieved)
+    return any(item["chunks"][g] in texts for g in item["gold"])
 
 
 def parse_value(text: str):
@@ -82,7 +123,7 @@ def parse_value(text: str):
 
 # ---- pipelines --------------------------------------------------------------------------------
 class LlamaIndexPipeline:
-    """The stock query engine over one item's nodes; the LLM's mode picks the path."""
+    """The stock query engine over one collection's nodes; the LLM's mode picks the path."""
 
     name = "llama_index"
 
@@ -100,29 +141,33 @@ class LlamaIndexPipeline:
         self.postprocessor = self.llm.postprocessor()
         self.query_engine = None
 
-    def prepare(self, item: dict, collection: str) -> None:
+    def prepare(self, chunks: list[str], collection: str, k: int,
+                progress: bool = False) -> None:
+        """Ingest `chunks` into a new collection; build the query engine retrieving top `k`."""
         from llama_index.core import StorageContext, VectorStoreIndex
         from llama_index.core.schema import TextNode
 
         from turborag_integrations.llama_index import KVCachingVectorStore
 
-        store = KVCachingVectorStore(self.engine, path=self.path, collection=collection,
-                                     show_progress=False)
-        nodes = [TextNode(text=c, id_=f"{collection}-{j}") for j, c in enumerate(item["chunks"])]
+        self.store = KVCachingVectorStore(self.engine, path=self.path, collection=collection,
+                                          show_progress=progress)
+        nodes = [TextNode(text=c, id_=f"{collection}-{j}") for j, c in enumerate(chunks)]
         index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(
-            vector_store=store), embed_model=self.embed_model)
+            vector_store=self.store), embed_model=self.embed_model, show_progress=progress)
         self.query_engine = index.as_query_engine(
-            llm=self.llm, node_postprocessors=[self.postprocessor],
-            similarity_top_k=len(item["chunks"]))
+            llm=self.llm, node_postprocessors=[self.postprocessor], similarity_top_k=k)
 
-    def answer(self, question: str, mode: str) -> tuple[str, dict]:
+    def answer(self, question: str, mode: str) -> tuple[str, dict, list[str]]:
+        """(reply, the LLM's stats, texts of the retrieved chunks)."""
         self.llm.mode = mode  # the same LLM object, so the same query engine serves both modes
         response = self.query_engine.query(question)
-        return (response.response or ""), dict(self.llm.last_stats or {})
+        retrieved = [n.node.get_content() for n in response.source_nodes]
+        return (response.response or ""), dict(self.llm.last_stats or {}), retrieved
 
 
 class LangChainPipeline:
-    """The stock LCEL RAG chain over one item's documents; the chat model's mode picks the path."""
+    """The stock LCEL RAG chain over one collection's documents; the chat model's mode picks the
+    path."""
 
     name = "langchain"
 
@@ -139,33 +184,64 @@ class LangChainPipeline:
         self.chat_model = TurboRAGChatModel(engine=engine, max_tokens=max_new_tokens,
                                             temperature=0.0, stop=list(STOP))
         self.chains = {}
+        self.retrieved: list[str] = []
 
-    @staticmethod
-    def format_docs(docs) -> str:
+    def format_docs(self, docs) -> str:
+        """The usual format_docs; it also notes the retrieved texts for the row."""
+        self.retrieved = [d.page_content for d in docs]
         return "\n\n".join(d.page_content for d in docs)
 
-    def prepare(self, item: dict, collection: str) -> None:
+    def prepare(self, chunks: list[str], collection: str, k: int,
+                progress: bool = False) -> None:
+        """Ingest `chunks` into a new collection; build the chains retrieving top `k`."""
         from langchain_core.output_parsers import StrOutputParser
         from langchain_core.runnables import RunnablePassthrough
 
         from turborag_integrations.langchain import KVCachingVectorStore
 
-        store = KVCachingVectorStore(engine=self.engine, embedding=self.embeddings,
-                                     persist_directory=str(self.path), collection_name=collection)
-        store.add_texts(item["chunks"], ids=[f"{collection}-{j}" for j in
-                                             range(len(item["chunks"]))])
-        retriever = store.as_retriever(search_kwargs={"k": len(item["chunks"])})
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(chunks), desc="encoding chunk KV", unit="chunk")
+        try:
+            self.store = KVCachingVectorStore(
+                engine=self.engine, embedding=self.embeddings, persist_directory=str(self.path),
+                collection_name=collection,
+                progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
+            self.store.add_texts(chunks, ids=[f"{collection}-{j}" for j in range(len(chunks))])
+        finally:
+            if bar is not None:
+                bar.close()
+        retriever = self.store.as_retriever(search_kwargs={"k": k})
         context = {"context": retriever | self.format_docs, "question": RunnablePassthrough()}
         # One chain per mode, differing only in the `mode` bound to the same chat model.
         self.chains = {mode: context | self.prompt | self.chat_model.bind(mode=mode)
                        | StrOutputParser() for mode in MODES}
 
-    def answer(self, question: str, mode: str) -> tuple[str, dict]:
+    def answer(self, question: str, mode: str) -> tuple[str, dict, list[str]]:
+        """(reply, the chat model's stats, texts of the retrieved chunks)."""
         from turborag_integrations.langchain import TurboRAGRunCollector
 
         run = TurboRAGRunCollector()
+        self.retrieved = []
         reply = self.chains[mode].invoke(question, config={"callbacks": [run]})
-        return reply, dict(run.stats)
+        return reply, dict(run.stats), list(self.retrieved)
+
+
+class LangChainSystemPipeline(LangChainPipeline):
+    """The LCEL chain with the context-first chat prompt of LangChain's RAG tutorials: the
+    retrieved context in the system message, the question as the human message."""
+
+    name = "langchain_system"
+
+    def __init__(self, engine, workdir: Path, max_new_tokens: int):
+        from langchain_core.prompts import ChatPromptTemplate
+
+        super().__init__(engine, workdir, max_new_tokens)
+        self.path = workdir / "chroma_langchain_system"
+        self.prompt = ChatPromptTemplate.from_messages(
+            [("system", LANGCHAIN_SYSTEM_PROMPT), ("human", "{question}")])
 
 
 # ---- scoring ----------------------------------------------------------------------------------
@@ -190,6 +266,7 @@ def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
             una = [r for r in rs if r["unanswerable"]]
             med = statistics.median([r["ttft_s"] for r in rs]) if rs else None
             ttft[mode] = med
+            gold = [r["gold_retrieved"] for r in rs if r.get("gold_retrieved") is not None]
             out.append({
                 "pipeline": pipeline, "mode": mode, "n": len(rs),
                 "answerable_n": len(ans),
@@ -206,6 +283,11 @@ def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
                                          if rs else None),
                 "median_reused_tokens": (statistics.median([r["reused_tokens"] for r in rs])
                                          if rs else None),
+                "median_retrieved_chunks": (statistics.median([r["retrieved_chunks"] for r in rs])
+                                            if rs else None),
+                "gold_n": len(gold),
+                "gold_retrieved": sum(gold),
+                "gold_retrieved_pct": 100 * sum(gold) / len(gold) if gold else None,
                 "errors": sum(1 for r in rows if r["pipeline"] == pipeline and r["mode"] == mode
                               and "error" in r),
             })
@@ -213,15 +295,18 @@ def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
             # full-prefill TTFT / this mode's TTFT: > 1 means faster than full prefill
             r["speedup"] = (ttft["naive"] / r["median_ttft_s"]
                             if ttft["naive"] and r["median_ttft_s"] else None)
-        # How often the two modes gave the same (normalised) reply.
+        # How often the two modes gave the same (normalised) reply, and the same verdict.
         from turborag_integrations.evaluation.metrics import normalize
 
-        by = {(r["id"], r["mode"]): normalize(r["reply"]) for r in rows
+        by = {(r["id"], r["mode"]): r for r in rows
               if r["pipeline"] == pipeline and "error" not in r}
         ids = {i for i, m in by if m == "turbo" and (i, "naive") in by}
-        same = sum(by[(i, "turbo")] == by[(i, "naive")] for i in ids)
+        same = sum(normalize(by[(i, "turbo")]["reply"]) == normalize(by[(i, "naive")]["reply"])
+                   for i in ids)
+        agree = sum(by[(i, "turbo")]["correct"] == by[(i, "naive")]["correct"] for i in ids)
         for r in out[-len(MODES):]:
             r["same_reply_as_full_pct"] = 100 * same / len(ids) if ids else None
+            r["correct_agreement_pct"] = 100 * agree / len(ids) if ids else None
     return out
 
 
@@ -230,9 +315,15 @@ def print_table(results: list[dict], settings: dict) -> None:
           f"answerable, {settings['unanswerable']} unanswerable); model {settings['model']}; "
           f"engine args {settings['engine_args'] or '{}'}; greedy, ≤{settings['max_new_tokens']} "
           "new tokens, stop at a blank line")
+    if settings["corpus"] == "shared":
+        print(f"corpus: shared, {settings['corpus_chunks']} distinct chunks of the whole set in "
+              f"one collection; top-{settings['k']} retrieval")
+    else:
+        print(f"corpus: per item ({settings['corpus_chunks']} chunks in {settings['items']} "
+              "collections); every chunk of the item retrieved")
     head = (f"{'pipeline':<12} {'mode':<13} {'answerable correct':>19} {'refused':>8} "
-            f"{'unanswerable refused':>21} {'total correct':>14} {'median TTFT s':>14} "
-            f"{'speed-up':>9} {'reused/prompt tok':>18}")
+            f"{'unanswerable refused':>21} {'total correct':>14} {'gold retrieved':>15} "
+            f"{'median TTFT s':>14} {'speed-up':>9} {'reused/prompt tok':>18}")
     print(head)
     print("-" * len(head))
 
@@ -247,14 +338,17 @@ def print_table(results: list[dict], settings: dict) -> None:
         med = "—" if r["median_ttft_s"] is None else f"{r['median_ttft_s']:.3f}"
         tok = ("—" if r["median_prompt_tokens"] is None
                else f"{r['median_reused_tokens']:.0f}/{r['median_prompt_tokens']:.0f}")
+        gold = f"{r['gold_retrieved']}/{r['gold_n']} ({pct(r['gold_retrieved_pct'])})"
         print(f"{r['pipeline']:<12} {MODE_NAMES[r['mode']]:<13} {ans:>19} {ref:>8} {una:>21} "
-              f"{pct(r['total_correct_pct']):>14} {med:>14} {sp:>9} {tok:>18}")
-    print("refused: answerable items the reply declined; speed-up: full-prefill median TTFT / "
-          "this mode's; reused/prompt tok: medians")
+              f"{pct(r['total_correct_pct']):>14} {gold:>15} {med:>14} {sp:>9} {tok:>18}")
+    print("refused: answerable items the reply declined; gold retrieved: items with gold chunks "
+          "that got one of them; speed-up: full-prefill median TTFT / this mode's; "
+          "reused/prompt tok: medians")
     for r in results:
         if r["mode"] == "turbo" and r["same_reply_as_full_pct"] is not None:
             print(f"{r['pipeline']}: TurboRAG reply equals the full-prefill reply on "
-                  f"{r['same_reply_as_full_pct']:.1f}% of items")
+                  f"{r['same_reply_as_full_pct']:.1f}% of items; both right or both wrong on "
+                  f"{r['correct_agreement_pct']:.1f}%")
         if r["errors"]:
             print(f"{r['pipeline']} {MODE_NAMES[r['mode']]}: {r['errors']} items not answered "
                   "(see --out)")
@@ -274,7 +368,13 @@ def main(argv=None) -> int:
                     help="keyword argument for TurboRAGEngine(...) (repeatable; values parsed as "
                          "int, float, true/false, none, else text)")
     ap.add_argument("--pipelines", default=",".join(PIPELINES),
-                    help=f"comma-separated, from {', '.join(PIPELINES)} (default: both)")
+                    help=f"comma-separated, from {', '.join(PIPELINES)} (default: all)")
+    ap.add_argument("--k", type=int, default=None,
+                    help=f"chunks retrieved per question from the shared corpus (default "
+                         f"{DEFAULT_K})")
+    ap.add_argument("--per-item", action="store_true",
+                    help="the old setup: one collection per item holding only its chunks, all "
+                         "of them retrieved (reproduces older result files)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -288,6 +388,11 @@ def main(argv=None) -> int:
         ap.error("--limit must be ≥ 1")
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be ≥ 1")
+    if args.k is not None and args.k < 1:
+        ap.error(f"--k must be ≥ 1 (chunks retrieved per question), got {args.k}")
+    if args.per_item and args.k is not None:
+        ap.error("--k is for the shared corpus; --per-item retrieves every chunk of the item")
+    k = None if args.per_item else (args.k if args.k is not None else DEFAULT_K)
     engine_args = {}
     for spec in args.engine_arg:
         key, sep, value = spec.partition("=")
@@ -301,6 +406,7 @@ def main(argv=None) -> int:
     items, load_errors = load_jsonl(args.data)
     for n, reason in load_errors:
         print(f"{args.data}:{n}: skipped: {reason}", file=sys.stderr)
+    corpus = shared_corpus(items)  # all items of the set, whatever --limit asks
     items = items[:args.limit] if args.limit else items
     if not items:
         print(f"error: no usable items in {args.data}", file=sys.stderr)
@@ -309,7 +415,8 @@ def main(argv=None) -> int:
     from turborag_integrations.core.engine import TurboRAGEngine
     from turborag_integrations.core.errors import ContextWindowError
 
-    classes = {"llama_index": LlamaIndexPipeline, "langchain": LangChainPipeline}
+    classes = {"llama_index": LlamaIndexPipeline, "langchain": LangChainPipeline,
+               "langchain_system": LangChainSystemPipeline}
     rows: list[dict] = []
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     with tempfile.TemporaryDirectory(prefix="turborag-pipelines-",
@@ -319,14 +426,24 @@ def main(argv=None) -> int:
         engine = TurboRAGEngine(args.model, **kwargs)
         runners = [classes[p](engine, workdir, args.max_new_tokens) for p in pipelines]
         engine.warmup()
+        if k is not None:  # one shared collection per pipeline, ingested once, not timed
+            for runner in runners:
+                log(f"{runner.name}: ingesting {len(corpus)} distinct chunks of {args.data} "
+                    f"into one collection (top-{k} retrieval)")
+                start = time.perf_counter()
+                runner.prepare(corpus, collection="corpus", k=min(k, len(corpus)),
+                               progress=not args.json)
+                log(f"{runner.name}: ingested in {time.perf_counter() - start:.1f}s")
         for i, item in enumerate(items):
             for runner in runners:
-                runner.prepare(item, collection=f"item{i:05d}")
+                if k is None:
+                    runner.prepare(item["chunks"], collection=f"item{i:05d}",
+                                   k=len(item["chunks"]))
                 for mode in MODES:
                     try:
                         if i == 0:
                             runner.answer(item["question"], mode)  # untimed warm-up
-                        reply, stats = runner.answer(item["question"], mode)
+                        reply, stats, retrieved = runner.answer(item["question"], mode)
                     except ContextWindowError as exc:
                         rows.append({"id": item["id"], "pipeline": runner.name, "mode": mode,
                                      "unanswerable": item["unanswerable"], "error": str(exc)})
@@ -339,12 +456,15 @@ def main(argv=None) -> int:
                         "question": item["question"], "answers": item["answers"],
                         "unanswerable": item["unanswerable"], "reply": reply,
                         "correct": correct, "refusal": refusal,
-                        **{k: stats.get(k) for k in ("ttft_s", "prompt_tokens", "reused_tokens",
-                                                     "prefilled_tokens", "cache_hits",
-                                                     "cache_misses", "new_tokens",
-                                                     "finish_reason")}})
+                        "retrieved_chunks": len(retrieved),
+                        "gold_retrieved": gold_retrieved(item, retrieved),
+                        **{key: stats.get(key) for key in (
+                            "ttft_s", "prompt_tokens", "reused_tokens", "prefilled_tokens",
+                            "cache_hits", "cache_misses", "new_tokens", "finish_reason")}})
+                    gold = {True: "yes", False: "no", None: "—"}[rows[-1]["gold_retrieved"]]
                     log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name:<11} {mode:<5} "
-                        f"{'ok ' if correct else 'bad'} ttft {stats.get('ttft_s', 0):.3f}s "
+                        f"{'ok ' if correct else 'bad'} gold {gold:<3} "
+                        f"ttft {stats.get('ttft_s', 0):.3f}s "
                         f"reused {stats.get('reused_tokens')}/{stats.get('prompt_tokens')} "
                         f"hits {stats.get('cache_hits')}  {reply[:70]!r}")
         dtype = engine.fingerprint.dtype
@@ -356,6 +476,9 @@ def main(argv=None) -> int:
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
                 "engine_args": engine_args, "pipelines": pipelines,
+                "corpus": "per-item" if k is None else "shared", "k": k,
+                "corpus_chunks": (sum(len(it["chunks"]) for it in items) if k is None
+                                  else len(corpus)),
                 "max_new_tokens": args.max_new_tokens, "stop": list(STOP), "limit": args.limit,
                 "items": len(items), "answerable": sum(not it["unanswerable"] for it in items),
                 "unanswerable": sum(it["unanswerable"] for it in items),
