@@ -133,3 +133,27 @@ def test_temporary_workspace_is_deleted_on_exit(tmp_path, docs, model_dir):
         root = ws.root
         assert (root / "chroma").exists() and not (root / "kv").exists()
     assert not root.exists() and any((tmp_path / "kv").rglob("*.safetensors"))
+
+
+def test_ingest_with_an_encoder_file_keeps_it_in_the_manifest(tmp_path, docs, model_dir):
+    """--encoder FILE: chunks are encoded with it, the workspace remembers it, and a file made
+    for another model is refused before any blob is written."""
+    from turborag_integrations.core.models import load_model
+    from tests.core.test_encoding import encoding_for
+    from tests.conftest import tiny_model
+
+    path = encoding_for(load_model(model_dir, progress=False)).save(tmp_path / "enc.safetensors")
+    ws = tmp_path / "ws"
+    code, out = run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64,
+                    "--encoder", path, "--json")
+    assert code == 0, out
+    manifest = json.loads((ws / "manifest.json").read_text())
+    assert manifest["encoder"] == str(path) and manifest["adapter"] == "none"
+    code, out = run("ask", "Which ship has a blue hull?", "--store", ws, "--json",
+                    "--max-new-tokens", 4)
+    assert code == 0 and last_json(out)["reused_fraction"] > 0.5, out
+    other = encoding_for(tiny_model("llama", seed=7)).save(tmp_path / "other.safetensors")
+    code, out = run("ingest", docs, "--store", tmp_path / "ws2", "--model", model_dir,
+                    "--encoder", other)
+    assert code == 2 and "other model weights" in out
+    assert not list((tmp_path / "ws2" / "kv").rglob("*.safetensors"))

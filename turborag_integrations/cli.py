@@ -56,8 +56,12 @@ def demo(
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
-    adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
-                                "for the bundled model) | none | a file"),
+    adapter: str = typer.Option("none", help="LoRA adapter merged into the weights at load "
+                                "(changes the model): none | default (shipped for SmolLM2) | a "
+                                "file"),
+    encoder: str = typer.Option("default", help="learned chunk encoding, used only when chunks "
+                                "are encoded: default (shipped for the bundled model) | none | "
+                                "a file"),
     chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
@@ -69,7 +73,8 @@ def demo(
     # chunk blobs stay in the KV store, so a rerun reuses them.
     try:
         with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
-                                 adapter=adapter, chroma_url=chroma_url) as ws:
+                                 adapter=adapter, encoder=encoder,
+                                 chroma_url=chroma_url) as ws:
             _ingest(ws, [docs])
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
             answer = ws.ask(question, k=top_k,
@@ -121,8 +126,12 @@ def ingest(
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     chunk_tokens: int = typer.Option(512, help="chunk size in tokens (first ingestion only)"),
-    adapter: Optional[str] = typer.Option(None, help="LoRA adapter: default (shipped for the "
-                                          "bundled model) | none | a file (first ingestion)"),
+    adapter: Optional[str] = typer.Option(None, help="LoRA adapter merged into the weights: none "
+                                          "| default (shipped for SmolLM2) | a file (first "
+                                          "ingestion; default none)"),
+    encoder: Optional[str] = typer.Option(None, help="learned chunk encoding: default (shipped "
+                                          "for the bundled model) | none | a file (first "
+                                          "ingestion; default default)"),
     json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
     chroma_url: Optional[str] = ChromaUrlOpt,
 ):
@@ -131,7 +140,7 @@ def ingest(
 
     from .core.errors import TurboRAGError
 
-    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter,
+    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter, encoder=encoder,
                     chroma_url=chroma_url)
     try:
         counts = _ingest(ws, paths, quiet=json_out)
@@ -261,8 +270,12 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
                              "interface; set an API key then)"),
     port: int = typer.Option(8000),
-    adapter: str = typer.Option("default", help="LoRA adapter merged at load: default (shipped "
-                                "for the bundled model) | none | a file"),
+    adapter: str = typer.Option("none", help="LoRA adapter merged into the weights at load "
+                                "(changes the model): none | default (shipped for SmolLM2) | a "
+                                "file"),
+    encoder: str = typer.Option("default", help="learned chunk encoding, used only when chunks "
+                                "are encoded: default (shipped for the bundled model) | none | "
+                                "a file"),
     mode: str = typer.Option("turbo", help="turbo: reuse stored chunk KV caches | naive: prefill "
                              "every prompt whole (the baseline to compare TTFT with)"),
     max_batch: int = typer.Option(8, "--max-batch", min=1,
@@ -307,7 +320,8 @@ def serve(
     except ImportError as exc:
         _fail(f"{exc}: the server needs pip install 'turborag-integrations[server]'")
     try:
-        run_server(model=model, store=store, host=host, port=port, adapter=adapter, mode=mode,
+        run_server(model=model, store=store, host=host, port=port, adapter=adapter,
+                   encoder=encoder, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, threads=threads,
                    question_last=question_last)

@@ -145,9 +145,14 @@ class Workspace:
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
                  embedding: str | None = None, adapter: str | None = None,
-                 chroma_url: str | None = None):
-        """adapter: "default" (the adapter shipped for a bundled model), "none", or a file;
-        None keeps what the workspace was built with (default for a new one).
+                 encoder: str | None = None, chroma_url: str | None = None):
+        """adapter: "none" (the model as loaded; the default for a new workspace), "default"
+        (the adapter shipped for a bundled model, merged into the weights) or a file; None keeps
+        what the workspace was built with.
+
+        encoder: the learned chunk encoding (core/prefill/encoding.py): "default" (the file
+        shipped for a bundled model; the default for a new workspace), "none", or a file; None
+        keeps what the workspace was built with.
 
         chroma_url: a Chroma server (e.g. http://127.0.0.1:8000, started with `chroma run
         --path DIR --port 8000`) to keep the chunks in, so that several processes can share
@@ -166,7 +171,8 @@ class Workspace:
         self.model_name = model or (manifest or {}).get("model") or DEFAULT_MODEL
         self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
         self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
-        self.adapter = adapter or (manifest or {}).get("adapter") or "default"
+        self.adapter = adapter or (manifest or {}).get("adapter") or "none"
+        self.encoder = encoder or (manifest or {}).get("encoder") or "default"
         self.kv_dir = self.root / "kv"
         self._engine = engine
         self._embedder = None
@@ -197,7 +203,7 @@ class Workspace:
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
             self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
-                                          adapter=self.adapter)
+                                          adapter=self.adapter, encoder=self.encoder)
         return self._engine
 
     @property
@@ -246,7 +252,7 @@ class Workspace:
     def _write_manifest(self) -> None:
         data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
                 "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name,
-                "adapter": self.adapter, "chroma_url": self.chroma_url}
+                "adapter": self.adapter, "encoder": self.encoder, "chroma_url": self.chroma_url}
         tmp = self.root / "manifest.json.tmp"
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.root / "manifest.json")

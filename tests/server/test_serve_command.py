@@ -12,7 +12,7 @@ from turborag_integrations.cli import app as cli
 from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
-            "adapter": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
+            "adapter": "none", "encoder": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "threads": None, "question_last": False}
 
 
@@ -53,8 +53,8 @@ def test_serve_refuses_bad_options(monkeypatch):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, adapter, question_last):
-        made.append((model, store, adapter, question_last, threading.current_thread()))
+    def load(model, *, store, adapter, encoder, question_last):
+        made.append((model, store, adapter, encoder, question_last, threading.current_thread()))
         return engine
 
     monkeypatch.setattr(server_app, "TurboRAGEngine", load)
@@ -68,8 +68,9 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
                          question_last=True)
     finally:
         torch.set_num_threads(before)
-    (model, store, adapter, question_last, loader), = made
-    assert (model, store, adapter, question_last) == ("m", "kv", "default", True)
+    (model, store, adapter, encoder, question_last, loader), = made
+    # the model as loaded (no adapter merged), chunks encoded with the shipped encoder
+    assert (model, store, adapter, encoder, question_last) == ("m", "kv", None, "default", True)
     assert loader is not threading.current_thread() and not loader.is_alive()
     # warmed up on the scheduler's thread, which runs torch with the threads asked for
     assert ran[0] == ("turborag-batch", 1)

@@ -65,7 +65,10 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                           description="None: the model's own window")
     anchor: str = Field(default="chat", description="what chunks are encoded after: chat | bos "
                         "| none | a text (core/prefill/anchor.py); used when no engine is given")
-    adapter: Optional[str] = Field(default="default", description="LoRA adapter merged at load: "
+    adapter: Optional[str] = Field(default=None, description="LoRA adapter merged into the "
+                                   "weights at load: None, 'default' (shipped for SmolLM2), or a "
+                                   "file; used when no engine is given")
+    encoder: Optional[str] = Field(default="default", description="learned chunk encoding: "
                                    "'default' (shipped for the bundled model), None, or a file; "
                                    "used when no engine is given")
     check_fingerprint: bool = Field(default=True, description="raise FingerprintMismatch when "
@@ -85,7 +88,8 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         if engine is None:
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
                                     positions=self.positions or "reordered",
-                                    anchor=self.anchor, adapter=self.adapter)
+                                    anchor=self.anchor, adapter=self.adapter,
+                                    encoder=self.encoder)
         self._bind(engine, registry)
         if self.context_window is None:
             self.context_window = engine.context_window

@@ -210,7 +210,8 @@ def on_own_thread(fn: Callable[[], T]) -> T:
 
 
 def serve(*, model: str | None = None, store: str | Path | None = None,
-          host: str = "127.0.0.1", port: int = 8000, adapter: str | None = "default",
+          host: str = "127.0.0.1", port: int = 8000, adapter: str | None = None,
+          encoder: str | None = "default",
           mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
           threads: int | None = None, question_last: bool = False) -> None:
@@ -233,6 +234,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
         torch.set_num_threads(threads)  # before any thread that runs torch starts
     log.info("torch threads: %d", torch.get_num_threads())
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
+                                                   encoder=encoder,
                                                    question_last=question_last))
     with engine:
         app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
