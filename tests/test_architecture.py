@@ -21,7 +21,7 @@ PACKAGE = "turborag_integrations"
 # it; siblings named on one line may not import each other.
 CORE = f"{PACKAGE}.core"
 GROUPS = {
-    "foundation": [f"{CORE}.settings", f"{CORE}.errors", f"{CORE}.compat"],
+    "foundation": [f"{CORE}.settings", f"{CORE}.errors", f"{CORE}.compat", f"{CORE}.tensorfile"],
     "attention": [f"{CORE}.attention"],
     "prefill": [f"{CORE}.prefill"],
     "decode": [f"{CORE}.decode"],

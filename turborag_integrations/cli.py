@@ -16,6 +16,10 @@ app.add_typer(models_app, name="models")
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
 
+AdapterOpt = typer.Option("none", help="LoRA adapter merged into the weights at load (changes "
+                          "the model): none | default (shipped for SmolLM2) | a file")
+EncoderOpt = typer.Option("default", help="learned chunk encoding, used only when chunks are "
+                          "encoded: default (shipped for the bundled model) | none | a file")
 ChromaUrlOpt = typer.Option(
     None, "--chroma-url", envvar="TURBORAG_CHROMA_URL",
     help="Chroma server for the chunks, e.g. http://127.0.0.1:8000 (start one with `chroma run "
@@ -56,12 +60,8 @@ def demo(
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
-    adapter: str = typer.Option("none", help="LoRA adapter merged into the weights at load "
-                                "(changes the model): none | default (shipped for SmolLM2) | a "
-                                "file"),
-    encoder: str = typer.Option("default", help="learned chunk encoding, used only when chunks "
-                                "are encoded: default (shipped for the bundled model) | none | "
-                                "a file"),
+    adapter: str = AdapterOpt,
+    encoder: str = EncoderOpt,
     chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
@@ -270,12 +270,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
                              "interface; set an API key then)"),
     port: int = typer.Option(8000),
-    adapter: str = typer.Option("none", help="LoRA adapter merged into the weights at load "
-                                "(changes the model): none | default (shipped for SmolLM2) | a "
-                                "file"),
-    encoder: str = typer.Option("default", help="learned chunk encoding, used only when chunks "
-                                "are encoded: default (shipped for the bundled model) | none | "
-                                "a file"),
+    adapter: str = AdapterOpt,
+    encoder: str = EncoderOpt,
     mode: str = typer.Option("turbo", help="turbo: reuse stored chunk KV caches | naive: prefill "
                              "every prompt whole (the baseline to compare TTFT with)"),
     max_batch: int = typer.Option(8, "--max-batch", min=1,

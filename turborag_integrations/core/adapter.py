@@ -15,16 +15,14 @@ Runtime needs neither peft nor training code: the file holds plain tensors.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .prefill.blob import weights_digest
+from .tensorfile import save_tensors
 from .errors import AdapterMismatch
 
 FORMAT = "turborag-lora/1"
@@ -56,17 +54,7 @@ def save_adapter(path: str | Path, deltas: dict[str, tuple[torch.Tensor, torch.T
         scales[name] = float(scale)
     header = {"format": FORMAT, "base_weights": base_weights, "scales": json.dumps(scales),
               "meta": json.dumps(meta or {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=header)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; an adapter is meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return save_tensors(path, tensors, header)
 
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:

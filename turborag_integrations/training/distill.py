@@ -34,6 +34,7 @@ from ..core.prefill.encoding import LearnedEncoding, new_lora
 from ..core.prefill.segment import split_prompt
 from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
 from ..evaluation.harness import load_items
+from . import optim
 from .collator import prompt_segments
 from .mix import target_reply
 from .templates import render
@@ -231,9 +232,7 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     enc = LearnedEncoding(soft=soft, lora=lora, base_weights=fp.weights, tokenizer=fp.tokenizer,
                           anchor=cfg.anchor)
     params = ([soft] if soft is not None else []) + [t for a, b, _ in lora.values() for t in (a, b)]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.0, 1 - s / max(1, cfg.steps)))
+    opt, sched = optim.optimizer(params, cfg.lr, cfg.warmup, cfg.steps)
     order: list[int] = []
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -247,16 +246,8 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
         if cfg.ce_weight:
             target = torch.tensor(ex.reply, device=student.device)
             loss = loss + cfg.ce_weight * torch.nn.functional.cross_entropy(student, target)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if (step + 1) % 10 == 0 or step == 0:
-            recent = losses[-10:]
-            log(f"step {step + 1}/{cfg.steps} KL {sum(recent) / len(recent):.4f} "
-                f"({time.perf_counter() - t0:.0f}s)")
+        losses.append(optim.step(loss, params, opt, sched))
+        optim.report(log, step + 1, cfg.steps, losses, t0, "KL")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             _save(enc, cfg, loaded.name, step + 1, Path(cfg.out) / f"encoder-{step + 1}.safetensors")
     out = Path(cfg.out)

@@ -34,6 +34,7 @@ from ..core.models import load_model
 from ..evaluation.harness import load_items
 from .collator import (TurboRAGCollator, add_doc_tokens, answer_loss, build_example,
                        example_from_prompt)
+from . import optim
 from .mix import target_reply
 from .templates import render
 
@@ -128,9 +129,7 @@ def finetune(cfg: FinetuneConfig, *, loaded=None, log: Callable[[str], None] = p
     elif cfg.freeze_embeddings and not new_ids:
         model.get_input_embeddings().weight.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.0, 1 - s / max(1, cfg.steps)))
+    opt, sched = optim.optimizer(params, cfg.lr, cfg.warmup, cfg.steps, cfg.weight_decay)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     collate = TurboRAGCollator(pad, next(model.parameters()).dtype)
     order: list[int] = []
@@ -140,17 +139,8 @@ def finetune(cfg: FinetuneConfig, *, loaded=None, log: Callable[[str], None] = p
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(examples)), len(examples))
         batch = collate([examples[order.pop()] for _ in range(cfg.batch_size)])
-        loss = answer_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if (step + 1) % 10 == 0 or step == 0:
-            recent = losses[-10:]
-            log(f"step {step + 1}/{cfg.steps} loss {sum(recent) / len(recent):.4f} "
-                f"({time.perf_counter() - t0:.0f}s)")
+        losses.append(optim.step(answer_loss(model, batch), params, opt, sched))
+        optim.report(log, step + 1, cfg.steps, losses, t0)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.lora:

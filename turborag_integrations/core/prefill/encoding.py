@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +40,7 @@ from typing import Iterator
 import torch
 
 from ..errors import EncoderMismatch
+from ..tensorfile import save_tensors
 
 FORMAT = "turborag-encoder/1"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -138,9 +137,6 @@ class LearnedEncoding:
     # ---- the file ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the file atomically (float32 tensors: small, and exactly what was trained)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
         tensors = {}
         scales = {}
         if self.soft is not None:
@@ -154,17 +150,7 @@ class LearnedEncoding:
         header = {"format": FORMAT, "base_weights": self.base_weights,
                   "tokenizer": self.tokenizer, "anchor": self.anchor,
                   "scales": json.dumps(scales), "meta": json.dumps(self.meta)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=header)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        return save_tensors(path, tensors, header)
 
     @classmethod
     def load(cls, path: str | Path) -> "LearnedEncoding":
