@@ -48,17 +48,42 @@ def test_single_chunk_turbo_equals_full_prefill_on_real_model(smollm2, tmp_path)
     assert turbo.token_ids == naive.token_ids
 
 
-def test_bundled_model_gets_its_adapter_by_default(smollm2, tmp_path):
+def test_bundled_model_is_unmodified_by_default(smollm2, tmp_path):
+    """The query-time model is the weights as loaded: an adapter merges only when asked for."""
     from turborag_integrations.core.adapter import bundled_adapter
     from turborag_integrations.core.models import load_model
+    from turborag_integrations.core.prefill.blob import weights_digest
 
+    digest = weights_digest(smollm2.model)
+    engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    assert engine.adapter is None and engine.fingerprint.weights == digest
     shipped = bundled_adapter(smollm2.name)
     if shipped is None:
         pytest.skip("no adapter shipped for the bundled model in this checkout")
-    adapted = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    adapted = TurboRAGEngine(load_model(smollm2.name, progress=False), store=tmp_path / "kv",
+                             adapter="default")
     assert adapted.adapter == shipped
-    plain = TurboRAGEngine(load_model(smollm2.name, progress=False), store=tmp_path / "kv",
-                           adapter=None)
-    assert plain.adapter is None
-    assert plain.fingerprint.weights != adapted.fingerprint.weights
-    assert plain.chunk_key(LIGHTHOUSE) != adapted.chunk_key(LIGHTHOUSE)
+    assert adapted.fingerprint.weights != digest
+    assert adapted.learned is None  # the shipped encoder fits the unmerged weights only
+    assert engine.chunk_key(LIGHTHOUSE) != adapted.chunk_key(LIGHTHOUSE)
+
+
+def test_bundled_encoder_is_loaded_by_default_and_never_changes_a_full_prefill(smollm2, tmp_path):
+    """The shipped chunk encoder acts only on chunk blobs: a full prefill with it answers token
+    for token as the model alone, and its blobs carry its digest."""
+    from turborag_integrations.core.prefill.encoding import bundled_encoder
+
+    if bundled_encoder(smollm2.name) is None:
+        pytest.skip("no encoder shipped for the bundled model in this checkout")
+    with_enc = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    plain = TurboRAGEngine(smollm2, store=tmp_path / "kv", encoder=None)
+    assert with_enc.learned is not None and "+enc:" in with_enc.fingerprint.encoding
+    assert with_enc.chunk_key(LIGHTHOUSE) != plain.chunk_key(LIGHTHOUSE)
+    prompt = with_enc.render_chat([{"role": "user", "content": LIGHTHOUSE + "\nHow high is the "
+                                    "Tall Widow?"}])
+    config = GenerationConfig(max_new_tokens=8)
+    assert with_enc.generate(prompt, config=config, mode="naive").token_ids == \
+        plain.generate(prompt, config=config, mode="naive").token_ids
+    with_enc.encode_chunks([LIGHTHOUSE])
+    turbo = with_enc.generate(prompt, chunks=[LIGHTHOUSE], config=config)
+    assert turbo.stats.cache_hits == 1 and turbo.stats.reused_tokens > 30
