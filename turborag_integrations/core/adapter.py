@@ -19,10 +19,9 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .prefill.blob import weights_digest
-from .tensorfile import save_tensors
+from .tensorfile import read_tensors, save_tensors
 from .errors import AdapterMismatch
 
 FORMAT = "turborag-lora/1"
@@ -60,17 +59,7 @@ def save_adapter(path: str | Path, deltas: dict[str, tuple[torch.Tensor, torch.T
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
     """(header, deltas) of an adapter file; raises AdapterMismatch when it is not one."""
     path = Path(path)
-    if not path.is_file():
-        raise AdapterMismatch(f"no adapter file at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:  # safetensors raises several types for a bad file
-        raise AdapterMismatch(f"{path} is not a readable safetensors adapter: {exc}") from None
-    if header.get("format") != FORMAT:
-        raise AdapterMismatch(f"{path} is not a TurboRAG LoRA adapter (format "
-                              f"{header.get('format')!r}, expected {FORMAT!r})")
+    header, tensors = read_tensors(path, FORMAT, "adapter", AdapterMismatch)
     scales = json.loads(header.get("scales", "{}"))
     deltas = {}
     for name, scale in scales.items():

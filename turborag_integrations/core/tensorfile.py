@@ -29,3 +29,24 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def read_tensors(path: str | Path, fmt: str, kind: str,
+                 error: type[Exception]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a file written by `save_tensors` with metadata format `fmt`;
+    raises `error` naming the file when it is missing, unreadable or of another format."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"no {kind} file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a bad file
+        raise error(f"{path} is not a readable safetensors {kind} file: {exc}") from None
+    if header.get("format") != fmt:
+        raise error(f"{path} is not a TurboRAG {kind} file (format {header.get('format')!r}, "
+                    f"expected {fmt!r})")
+    return header, tensors

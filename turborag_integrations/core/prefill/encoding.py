@@ -40,7 +40,7 @@ from typing import Iterator
 import torch
 
 from ..errors import EncoderMismatch
-from ..tensorfile import save_tensors
+from ..tensorfile import read_tensors, save_tensors
 
 FORMAT = "turborag-encoder/1"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -154,20 +154,8 @@ class LearnedEncoding:
 
     @classmethod
     def load(cls, path: str | Path) -> "LearnedEncoding":
-        from safetensors import safe_open
-
         path = Path(path)
-        if not path.is_file():
-            raise EncoderMismatch(f"no encoder file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                header = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises several types for a bad file
-            raise EncoderMismatch(f"{path} is not a readable safetensors file: {exc}") from None
-        if header.get("format") != FORMAT:
-            raise EncoderMismatch(f"{path} is not a TurboRAG encoder file (format "
-                                  f"{header.get('format')!r}, expected {FORMAT!r})")
+        header, tensors = read_tensors(path, FORMAT, "encoder", EncoderMismatch)
         try:
             scales = json.loads(header.get("scales", "{}"))
             meta = json.loads(header.get("meta", "{}"))
