@@ -148,29 +148,23 @@ ANCHOR_MODES = ("none", "bos", "chat", "head")
 def _sibling(engine, anchor: str | None, encoder: str | None, head: str):
     """The engine itself, or a sibling on the same model and store with another chunk anchor or
     chunk encoder (one model in memory, one full-prefill reference for all of them)."""
-    if anchor is None and encoder is None:
-        return engine
     spec = engine.anchor if anchor is None else head if anchor == "head" else anchor
-    if encoder is not None:
-        from ..core.engine import TurboRAGEngine
-
-        return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                              progress=False, anchor=spec, adapter=None,
-                              encoder=None if encoder == "none" else encoder)
-    if spec == engine.anchor or (anchor == "head" and engine.anchor_text == head):
+    if encoder is None and (spec == engine.anchor
+                            or (anchor == "head" and engine.anchor_text == head)):
         return engine
     from ..core.engine import TurboRAGEngine
 
     # adapter=None: the model is already what the parent engine made it (an adapter merges into
-    # the weights in place, so a sibling must never merge one again). A learned chunk encoder is
-    # trained after one anchor: the sibling keeps the parent's where it is that anchor, and
+    # the weights in place, so a sibling must never merge one again). Without an encoder named,
+    # a sibling keeps the parent's learned encoder where it was trained after that anchor, and
     # encodes training-free (encoder=None) after any other.
-    extra = {}
-    if hasattr(engine, "learned"):  # an engine with learned chunk encoders
-        learned = engine.learned
-        extra["encoder"] = learned if learned is not None and learned.anchor == spec else None
+    if encoder is not None:
+        chosen = None if encoder == "none" else encoder
+    else:
+        learned = getattr(engine, "learned", None)
+        chosen = learned if learned is not None and learned.anchor == spec else None
     return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec, adapter=None, **extra)
+                          progress=False, anchor=spec, adapter=None, encoder=chosen)
 
 
 def _median(xs: Sequence[float]) -> float:
