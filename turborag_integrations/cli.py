@@ -325,6 +325,59 @@ def serve(
         _fail(str(exc))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def vllm(
+    ctx: typer.Context,
+    model: str = typer.Option("smollm2-135m-instruct", help="bundled name or local model folder"),
+    store: Optional[str] = typer.Option(None, help="KV store folder, or a redis:// URL shared by "
+                                        "several vLLM instances (default ~/.cache/turborag/kv)"),
+    store_dir: Optional[Path] = typer.Option(None, help="with a redis:// store: the local disk "
+                                             "tier in front of it"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    encoder: str = EncoderOpt,
+    dtype: str = typer.Option("float32", help="must be the dtype the blobs were encoded in"),
+    max_model_len: Optional[int] = typer.Option(None),
+    eager: bool = typer.Option(True, help="--enforce-eager (CPU: no graph compilation)"),
+    python: Optional[Path] = typer.Option(None, help="python of vLLM's venv (default "
+                                          "$TURBORAG_VLLM_PYTHON or ./.venv-vllm/bin/python)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the command, do not run it"),
+):
+    """Start stock vLLM's OpenAI server with the TurboRAG connector: requests whose cache_salt
+    starts with "turborag" reuse the stored chunk KV blobs (docs/vllm.md). Arguments after the
+    options go to vLLM as they are."""
+    import os
+    import shlex
+
+    from .core.models import CATALOG, prepare_bundled
+    from .core.store import default_store_path
+    from .vllm.launch import (cpu_environment, default_python, kv_transfer_config,
+                              python_is_usable, server_argv)
+
+    python = python or default_python()
+    problem = python_is_usable(python)
+    if problem and not dry_run:
+        _fail(problem)
+    if model in CATALOG:
+        model_dir = prepare_bundled(model)
+        # a folder has no bundled encoder of its own: name the model's
+        encoder = model if encoder == "default" else encoder
+        served = model
+    else:
+        model_dir, served = Path(model), None
+        if not (model_dir / "config.json").exists():
+            _fail(f"{model}: not a bundled model name nor a model folder with a config.json")
+    config = kv_transfer_config(store or str(default_store_path()), encoder=encoder,
+                                store_dir=str(store_dir) if store_dir else None)
+    argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
+                       max_model_len=max_model_len, served_name=served, enforce_eager=eager,
+                       extra=ctx.args)
+    typer.echo(shlex.join(argv), err=True)
+    if dry_run:
+        return
+    os.execve(argv[0], argv, cpu_environment())
+
+
 @store_app.command("stats")
 def store_stats(store: Optional[Path] = StoreOpt,
                 json_out: bool = typer.Option(False, "--json"),

@@ -28,6 +28,7 @@ from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
 from .prefill.segment import split_prompt
+from .prefill.separators import separator_ids
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
@@ -115,6 +116,7 @@ class TurboRAGEngine:
         self.cache_pool = CachePool()
         self._keys: dict[str, str] = {}
         self._keys_lock = threading.Lock()
+        self._separator_keys: list[str] | None = None
 
     def close(self) -> None:
         """Close the KV store if this engine opened it (a store passed in stays open)."""
@@ -189,6 +191,20 @@ class TurboRAGEngine:
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
         return keys
+
+    def encode_separators(self) -> list[str]:
+        """Store the stock separators between chunks ("\\n\\n", "\\n", …) encoded like chunks,
+        once per engine; returns their keys. This engine prefills separators with the question;
+        an engine that can only take a stored prefix (vLLM's connector, which calls this when it
+        starts) needs them stored to go on past the first chunk (core/prefill/separators.py)."""
+        if self._separator_keys is None:
+            runs = separator_ids(self.tokenizer)
+            keys = [chunk_key(self.fingerprint, r) for r in runs]
+            todo = [r for r, k in zip(runs, keys) if not self.store.contains(k)]
+            for blob in self.encoder.encode_ids(todo) if todo else []:
+                self.keep(blob)
+            self._separator_keys = keys
+        return self._separator_keys
 
     def prepare_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
                        encode_missing: bool = True, warm: bool = True) -> list[str | None]:

@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..core.transformers_api import with_cache
+
 
 def token_agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     """(mean KL(reference ‖ other) in nats, top-1 agreement in %) over the rows of two
@@ -59,7 +61,7 @@ def reply_logits(engine, prompt: str, reply_ids: Sequence[int], *, chunks: Itera
             with torch.inference_mode():
                 out = engine.model(input_ids=ids[None],
                                    position_ids=torch.arange(p, p + m - 1, device=device)[None],
-                                   cache=pre.cache, use_cache=True)
+                                   **with_cache(pre.cache), use_cache=True)
             rows.append(out.logits[0].float().cpu())
         return torch.cat(rows)
     finally:

@@ -45,6 +45,8 @@ def finetune_command(
                                     "beside the KL"),
     min_chunks: int = typer.Option(1, help="--encoder: skip items with fewer chunks"),
     save_every: int = typer.Option(0, help="--encoder: also save every N steps"),
+    init: Optional[Path] = typer.Option(None, help="--encoder: continue training this encoder "
+                                        "file (same model, anchor, soft tokens and rank)"),
     eval_set: Optional[list[Path]] = typer.Option(
         None, "--eval-set", help="evaluation sets the training data must not share a question "
         "or chunk with (repeatable; default: the bundled hand-written dev and held-out sets)"),
@@ -63,7 +65,8 @@ def finetune_command(
                             lr=2e-3 if lr is None else lr,
                             soft_tokens=soft_tokens, lora_rank=lora_rank if lora else 0,
                             anchor=anchor, ce_weight=ce_weight, max_tokens=max_tokens,
-                            min_chunks=min_chunks, seed=seed, save_every=save_every)
+                            min_chunks=min_chunks, seed=seed, save_every=save_every,
+                            init=str(init) if init else None)
         try:
             summary = distill(cfg, eval_sets=eval_sets, log=lambda m: typer.echo(m, err=True))
         except (TurboRAGError, ValueError, ImportError) as exc:

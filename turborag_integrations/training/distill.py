@@ -59,6 +59,7 @@ class DistillConfig:
     min_chunks: int = 1
     seed: int = 0
     save_every: int = 0  # also write the encoder every N steps (a long run can be stopped)
+    init: str | None = None  # continue from this encoder file (its soft tokens and LoRA)
 
 
 @dataclass
@@ -188,7 +189,28 @@ def _save(enc: LearnedEncoding, cfg: DistillConfig, base_model: str, steps: int,
                 "soft_tokens": cfg.soft_tokens, "lora_rank": cfg.lora_rank, "seed": cfg.seed,
                 "ce_weight": cfg.ce_weight, "data": Path(cfg.data).name,
                 "objective": "KL(full prefill || stitched) over the reply"}
+    if cfg.init:
+        enc.meta["continued_from"] = Path(cfg.init).name
     enc.save(path)
+
+
+def _continue_from(cfg: DistillConfig, fp) -> LearnedEncoding:
+    """The encoder in cfg.init, made trainable, after checking it fits this run: same model,
+    tokenizer and anchor, and the shape the options ask for (a silent reshape would be a new
+    encoder under an old name)."""
+    enc = LearnedEncoding.load(cfg.init)
+    enc.check_model(fp.weights, fp.tokenizer, cfg.anchor)
+    soft = 0 if enc.soft is None else enc.soft.shape[0]
+    rank = next(iter(enc.lora.values()))[0].shape[0] if enc.lora else 0
+    if (soft, rank) != (cfg.soft_tokens, cfg.lora_rank):
+        raise ValueError(f"--init {cfg.init} has {soft} soft tokens and LoRA rank {rank}; this "
+                         f"run asks for {cfg.soft_tokens} and {cfg.lora_rank}: pass the same")
+    if enc.soft is not None:
+        enc.soft = enc.soft.detach().float().clone().requires_grad_()
+    enc.lora = {name: (a.detach().float().clone().requires_grad_(),
+                       b.detach().float().clone().requires_grad_(), scale)
+                for name, (a, b, scale) in enc.lora.items()}
+    return enc
 
 
 def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] = (),
@@ -220,17 +242,23 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     lengths = sorted(len(e.ids) for e in examples)
     log(f"{len(examples)} examples, median {lengths[len(lengths) // 2]} tokens")
 
-    soft = None
-    if cfg.soft_tokens:
-        # start from the embeddings of real tokens (the anchor's last tokens, repeated): a
-        # neutral point the model already reads, so step 0 is close to the training-free encoding
-        table = model.get_input_embeddings().weight.detach().float()
-        seed_ids = (anchor or [pad])[-cfg.soft_tokens:]
-        seed_ids = (seed_ids * cfg.soft_tokens)[:cfg.soft_tokens]
-        soft = table[seed_ids].clone().requires_grad_()
-    lora = new_lora(model, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else {}
-    enc = LearnedEncoding(soft=soft, lora=lora, base_weights=fp.weights, tokenizer=fp.tokenizer,
-                          anchor=cfg.anchor)
+    prior = 0  # steps already in the encoder continued from
+    if cfg.init:
+        enc = _continue_from(cfg, fp)
+        soft, lora = enc.soft, enc.lora
+        prior = int(enc.meta.get("steps", 0))
+    else:
+        soft = None
+        if cfg.soft_tokens:
+            # start from the embeddings of real tokens (the anchor's last tokens, repeated): a
+            # neutral point the model already reads, so step 0 is the training-free encoding
+            table = model.get_input_embeddings().weight.detach().float()
+            seed_ids = (anchor or [pad])[-cfg.soft_tokens:]
+            seed_ids = (seed_ids * cfg.soft_tokens)[:cfg.soft_tokens]
+            soft = table[seed_ids].clone().requires_grad_()
+        lora = new_lora(model, cfg.lora_rank, seed=cfg.seed) if cfg.lora_rank else {}
+        enc = LearnedEncoding(soft=soft, lora=lora, base_weights=fp.weights,
+                              tokenizer=fp.tokenizer, anchor=cfg.anchor)
     params = ([soft] if soft is not None else []) + [t for a, b, _ in lora.values() for t in (a, b)]
     opt, sched = optim.optimizer(params, cfg.lr, cfg.warmup, cfg.steps)
     order: list[int] = []
@@ -249,9 +277,10 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
         losses.append(optim.step(loss, params, opt, sched))
         optim.report(log, step + 1, cfg.steps, losses, t0, "KL")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _save(enc, cfg, loaded.name, step + 1, Path(cfg.out) / f"encoder-{step + 1}.safetensors")
+            _save(enc, cfg, loaded.name, prior + step + 1,
+                  Path(cfg.out) / f"encoder-{prior + step + 1}.safetensors")
     out = Path(cfg.out)
-    _save(enc, cfg, loaded.name, cfg.steps, out / ENCODER_FILE)
+    _save(enc, cfg, loaded.name, prior + cfg.steps, out / ENCODER_FILE)
     summary = {"steps": cfg.steps, "examples": len(examples), "first_loss": losses[0],
                "final_loss": sum(losses[-10:]) / len(losses[-10:]),
                "train_s": time.perf_counter() - t0, "config": asdict(cfg),

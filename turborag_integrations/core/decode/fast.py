@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from ..settings import QUANTIZE_MODES, check_choice
 from ..attention import split_attention
+from ..transformers_api import with_cache
 
 log = logging.getLogger(__name__)
 
@@ -412,5 +413,5 @@ def stock_step(model, token: int, position: int, cache) -> torch.Tensor:
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([[token]], device=device),
                 position_ids=torch.tensor([[position]], device=device),
-                cache=cache, use_cache=True, logits_to_keep=1)
+                **with_cache(cache), use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]

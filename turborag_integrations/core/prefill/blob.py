@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from ..errors import EmptyChunkError, FingerprintMismatch
+from ..transformers_api import output_cache
 
 FORMAT_VERSION = 1
 PLAIN = "plain"
@@ -262,7 +263,7 @@ class ChunkEncoder:
                     with self.learned.active(self.model):
                         out = self.model(inputs_embeds=embeds, attention_mask=mask,
                                          use_cache=True, logits_to_keep=1)
-            cache = out.cache
+            cache = output_cache(out)
             keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
             values = torch.stack([layer.values for layer in cache.layers], dim=1)
             for row, i in enumerate(batch):

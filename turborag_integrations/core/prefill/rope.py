@@ -68,6 +68,27 @@ class KeyRotator:
         original = getattr(rotary, "original_max_seq_len", None)
         return cls(inv_freq, rope_type, original)
 
+    @classmethod
+    def for_config(cls, config) -> "KeyRotator":
+        """The rotator of a model known only by its config (an engine that holds its own
+        weights, such as vLLM): the inverse frequencies are computed as transformers computes
+        them, with no module built."""
+        rope_type = rope_type_of(config)
+        params = getattr(config, "rope_parameters", None) or {}
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = getattr(config, "head_dim", None) or \
+                config.hidden_size // config.num_attention_heads
+            dim = int(dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        original = params.get("original_max_position_embeddings") \
+            or getattr(config, "max_position_embeddings", None)
+        return cls(inv_freq, rope_type, original)
+
     def check_length(self, total_positions: int) -> None:
         """Refuse dynamic RoPE when positions 0..total_positions−1 leave its original window.
 

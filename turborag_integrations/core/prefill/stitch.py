@@ -36,6 +36,7 @@ from .cache import CachePool, KVCache
 from ..errors import ContextWindowError
 from ..settings import POSITION_MODES, check_choice
 from .rope import KeyRotator
+from ..transformers_api import with_cache
 
 Positions = Literal["reordered", "composite"]
 
@@ -198,7 +199,7 @@ def prefill(model, plan: StitchPlan, rotator: KeyRotator, *, extra_capacity: int
     boolean = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
     mask = plain_mask(plan, next(model.parameters()).dtype, boolean)
     with torch.inference_mode(), sdpa_gqa(device):
-        out = model(input_ids=ids, position_ids=position_ids, cache=cache,
+        out = model(input_ids=ids, position_ids=position_ids, **with_cache(cache),
                     attention_mask=None if mask is None else mask.to(device),
                     use_cache=True, logits_to_keep=0 if all_logits else 1)
     t2 = time.perf_counter()

@@ -32,6 +32,7 @@ from ..decode.fast import FastDecoder, unsupported_reason
 from ..decode.sampling import AcceptRule, accept_drafts, first_token, sample
 from ..prefill.cache import KVCache
 from ..settings import GenerationConfig, SpeculationConfig
+from ..transformers_api import with_cache
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Side:
         pos = torch.arange(self.position, self.position + len(tokens), device=device)[None]
         with torch.inference_mode(), suffix_causal(self.model, verify and len(tokens) > 1), \
                 sdpa_gqa(device):
-            out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
+            out = self.model(input_ids=ids, position_ids=pos, **with_cache(self.cache), use_cache=True,
                              logits_to_keep=keep)
         self.position += len(tokens)
         return out.logits[0, -keep:]

@@ -1,0 +1,66 @@
+"""The claim planner: the prefix `[head][chunk]…[chunk]` that starts the prompt, nothing else."""
+
+from turborag_integrations.core.prefill.token_spans import SpanEntry, SpanMatch
+from turborag_integrations.vllm.claim import ClaimedSpan, plan_claim
+
+
+def match(start, key, n, plain=False):
+    return SpanMatch(start, SpanEntry(key, tuple(range(100, 100 + n)), plain))
+
+
+PROMPT = list(range(40))
+
+
+def no_head(ids):
+    return None
+
+
+def test_head_blob_then_adjacent_chunks():
+    heads = {tuple(PROMPT[:5]): "head"}
+    claim = plan_claim(PROMPT, [match(5, "a", 10), match(15, "b", 10)],
+                       lambda ids: heads.get(tuple(ids)))
+    assert claim.spans == [ClaimedSpan("head", 0, 5, True), ClaimedSpan("a", 5, 10, False),
+                           ClaimedSpan("b", 15, 10, False)]
+    assert claim.end == 25 and claim.chunk_tokens == 20
+
+
+def test_a_gap_between_chunks_ends_the_claim():
+    claim = plan_claim(PROMPT, [match(0, "a", 10), match(12, "b", 10)], no_head)
+    assert [s.key for s in claim.spans] == ["a"] and claim.end == 10
+
+
+def test_no_stored_head_means_no_claim():
+    assert plan_claim(PROMPT, [match(5, "a", 10)], no_head).spans == []
+
+
+def test_the_last_prompt_token_is_left_to_the_engine():
+    # a chunk reaching the prompt's last token cannot be claimed: vLLM must compute one token
+    claim = plan_claim(PROMPT, [match(0, "a", 30), match(30, "b", 10)], no_head)
+    assert claim.end == 30
+
+
+def test_a_plain_blob_alone_is_a_claim():
+    claim = plan_claim(PROMPT, [match(0, "p", 39, plain=True)], no_head)
+    assert claim.spans == [ClaimedSpan("p", 0, 39, True)]
+
+
+def test_nothing_found_nothing_claimed():
+    assert plan_claim(PROMPT, [], no_head).end == 0
+
+
+def test_a_stored_separator_between_chunks_is_claimed():
+    separators = {tuple(PROMPT[10:12]): "sep"}
+    claim = plan_claim(PROMPT, [match(0, "a", 10), match(12, "b", 10), match(25, "c", 5)],
+                       no_head, lambda ids: separators.get(tuple(ids)))
+    # the stored two-token separator is claimed; the unknown three-token gap before c ends it
+    assert claim.spans == [ClaimedSpan("a", 0, 10, False),
+                           ClaimedSpan("sep", 10, 2, False, separator=True),
+                           ClaimedSpan("b", 12, 10, False)]
+    assert claim.chunk_tokens == 20
+
+
+def test_a_gap_longer_than_a_separator_is_not_looked_up():
+    asked = []
+    plan_claim(PROMPT, [match(0, "a", 10), match(20, "b", 10)], no_head,
+               lambda ids: asked.append(list(ids)) or "sep", max_separator=4)
+    assert asked == []

