@@ -157,3 +157,26 @@ def test_ingest_with_an_encoder_file_keeps_it_in_the_manifest(tmp_path, docs, mo
                     "--encoder", other)
     assert code == 2 and "other model weights" in out
     assert not list((tmp_path / "ws2" / "kv").rglob("*.safetensors"))
+
+
+def test_vllm_prints_the_server_command_with_the_connector(tmp_path, model_dir):
+    import json
+    import shlex
+
+    result = runner.invoke(app, ["vllm", "--model", model_dir, "--store", str(tmp_path / "kv"),
+                                 "--port", "8123", "--dry-run", "--", "--max-num-seqs", "4"])
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.output.strip().splitlines()[-1])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == model_dir and "--enforce-eager" in argv
+    assert argv[-2:] == ["--max-num-seqs", "4"]
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "TurboRAGConnector"
+    assert config["kv_connector_module_path"] == "turborag_integrations.vllm.connector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"]["store"] == str(tmp_path / "kv")
+
+
+def test_vllm_refuses_what_is_not_a_model(tmp_path):
+    result = runner.invoke(app, ["vllm", "--model", str(tmp_path), "--dry-run"])
+    assert result.exit_code == 2 and "config.json" in result.output
