@@ -77,13 +77,14 @@ def fill_store(engine, prompts, join: str) -> int:
     return len(engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
-def start_vllm(python: Path, model_dir: str, config: dict | None) -> tuple[subprocess.Popen, str]:
+def start_vllm(python: Path, model_dir: str, config: dict | None,
+               dtype: str = "float32") -> tuple[subprocess.Popen, str]:
     from turborag_integrations.vllm.launch import cpu_environment, server_argv
 
     port = free_port()
     extra = ["--max-model-len", "4096", "--max-num-seqs", "8", "--disable-log-stats"]
     argv = server_argv(python, model_dir, config or {}, host="127.0.0.1", port=port,
-                       served_name=MODEL, extra=extra)
+                       dtype=dtype, served_name=MODEL, extra=extra)
     if config is None:  # vLLM alone: no connector
         i = argv.index("--kv-transfer-config")
         del argv[i:i + 2]
@@ -196,6 +197,11 @@ def main() -> None:
                         "nothing between chunks")
     parser.add_argument("--systems", default="vllm,vllm+turborag,turbo,naive",
                         help="which of vllm, vllm+turborag, turbo, naive (turborag serve) to run")
+    parser.add_argument("--dtype", default="float32",
+                        help="vLLM's dtype; the blobs are always encoded in float32 (the "
+                        "connector casts them: its blob_dtype)")
+    parser.add_argument("--answers", type=Path, default=None,
+                        help="also write every system's 1-client answers to this JSON file")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -221,11 +227,12 @@ def main() -> None:
     systems: dict[str, dict] = {}
     claimed = None
     for name, config in (("vllm", None),
-                         ("vllm+turborag", kv_transfer_config(store, encoder=MODEL))):
+                         ("vllm+turborag", kv_transfer_config(store, encoder=MODEL,
+                                                              blob_dtype="float32"))):
         if name not in wanted:
             continue
         print(f"starting {name}", file=sys.stderr, flush=True)
-        proc, url = start_vllm(python, model_dir, config)
+        proc, url = start_vllm(python, model_dir, config, args.dtype)
         try:
             salt = "turborag" if config else "plain"
             systems[name] = bench_system(name, url, prompts, args, salt)
@@ -260,7 +267,7 @@ def main() -> None:
     base = systems.get("vllm", {})
     report = {
         "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "runs": args.runs,
-        "join": args.join,
+        "join": args.join, "vllm_dtype": args.dtype,
         "claimed_tokens_of_prompt_0": claimed,
         "systems": {name: {str(c): {k: v for k, v in m.items() if k not in ("texts", "tokens")}
                            for c, m in s.items()} for name, s in systems.items()},
@@ -274,6 +281,9 @@ def main() -> None:
                    for c in s if c in base}
             for name, s in systems.items() if name != "vllm"},
     }
+    if args.answers:
+        args.answers.write_text(json.dumps(
+            {name: s[1]["texts"] for name, s in systems.items() if 1 in s}, indent=1))
     if args.json:
         print(json.dumps(report, indent=2))
         return

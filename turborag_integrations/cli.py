@@ -336,7 +336,10 @@ def vllm(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     encoder: str = EncoderOpt,
-    dtype: str = typer.Option("float32", help="must be the dtype the blobs were encoded in"),
+    dtype: str = typer.Option("float32", help="vLLM's dtype"),
+    blob_dtype: Optional[str] = typer.Option(None, help="the dtype the blobs were encoded in, "
+                                             "if not vLLM's (float32 blobs serve a bfloat16 "
+                                             "vLLM, cast as they are written)"),
     max_model_len: Optional[int] = typer.Option(None),
     eager: bool = typer.Option(True, help="--enforce-eager (CPU: no graph compilation)"),
     python: Optional[Path] = typer.Option(None, help="python of vLLM's venv (default "
@@ -368,7 +371,8 @@ def vllm(
         if not (model_dir / "config.json").exists():
             _fail(f"{model}: not a bundled model name nor a model folder with a config.json")
     config = kv_transfer_config(store or str(default_store_path()), encoder=encoder,
-                                store_dir=str(store_dir) if store_dir else None)
+                                store_dir=str(store_dir) if store_dir else None,
+                                blob_dtype=blob_dtype)
     argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
                        max_model_len=max_model_len, served_name=served, enforce_eager=eager,
                        extra=ctx.args)

@@ -29,7 +29,9 @@ Extra config keys: "store" (a store folder or a redis:// URL, as KVStore takes; 
 "anchor" (as TurboRAGEngine takes them: the blobs' encoding must be the one they were made with),
 "refresh_s" (how often the scheduler looks for newly stored blobs, default 2), "store_dir" (the
 local disk tier in front of a redis:// store), "max_head_tokens" (longest prompt head the
-scheduler encodes itself when none is stored, default 512).
+scheduler encodes itself when none is stored, default 512), "blob_dtype" (the dtype the blobs
+were encoded in, when it is not vLLM's: float32 blobs serve a bfloat16 worker, cast as they are
+written).
 
 The scheduler process holds an HF copy of the model (CPU, vLLM's dtype): it computes the blobs'
 fingerprints exactly as the HF engine that ingested them did, and it encodes prompt heads —
@@ -141,8 +143,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._claims: dict[str, Claim] = {}
             self._max_head = int(extra.get("max_head_tokens", 512))
             if self._enabled:
-                self._engine = _head_engine(model_config.model, model_config.dtype, extra,
-                                            self._store)
+                # blobs are made once, in one dtype (float32 on a CPU at ingestion), and may
+                # serve a worker of another: the worker casts them to its cache's dtype
+                blob_dtype = extra.get("blob_dtype") or model_config.dtype
+                self._engine = _head_engine(model_config.model, blob_dtype, extra, self._store)
                 self.chunk_fp = self._engine.fingerprint
                 self.prefix_fp = self._engine.prefix_fingerprint
                 self._engine.encode_separators()

@@ -23,10 +23,12 @@ def default_python() -> Path:
 
 
 def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | None = None,
-                       min_chunk_tokens: int | None = None, store_dir: str | None = None) -> dict:
+                       min_chunk_tokens: int | None = None, store_dir: str | None = None,
+                       blob_dtype: str | None = None) -> dict:
     extra: dict = {"store": str(store)}
     for key, value in (("encoder", encoder), ("anchor", anchor),
-                       ("min_chunk_tokens", min_chunk_tokens), ("store_dir", store_dir)):
+                       ("min_chunk_tokens", min_chunk_tokens), ("store_dir", store_dir),
+                       ("blob_dtype", blob_dtype)):
         if value is not None:
             extra[key] = value
     # a blob unreadable at load time: vLLM recomputes its tokens rather than failing the request
