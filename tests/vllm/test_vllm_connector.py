@@ -78,3 +78,34 @@ def test_a_blob_unreadable_at_load_time_is_recomputed_and_logged(measured):
     case = measured[0]["corrupt"]
     assert case["finish"] in ("stop", "length") and case["tokens"]
     assert "missing at load time, vLLM recomputes" in measured[1]
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory, model_dir):
+    if not PYTHON.exists():
+        if os.environ.get("TURBORAG_REQUIRE_VLLM") == "1":
+            pytest.fail(f"no vLLM venv at {PYTHON}: build it with `bash scripts/install.sh vllm`")
+        pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
+    tmp = tmp_path_factory.mktemp("offline")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "offline.py"), model_dir,
+                           str(tmp / "kv"), str(tmp / "out.json")], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_requests_without_the_turborag_salt_are_never_claimed(offline):
+    assert offline["enabled"]["on"]
+    assert offline["enabled"]["no_salt"] == [0, False]
+    assert offline["enabled"]["other_salt"] == [0, False]
+
+
+def test_a_rope_that_cannot_be_re_rotated_switches_turborag_off_with_one_reason(offline):
+    assert not offline["longrope"]["on"] and offline["longrope"]["claim"] == [0, False]
+    assert any("TurboRAG is off" in m and "LongRoPE" in m for m in offline["log"])
+
+
+def test_a_store_that_cannot_be_opened_switches_turborag_off(offline):
+    assert not offline["bad_store"]["on"] and offline["bad_store"]["claim"] == [0, False]
+    assert any("cannot be opened" in m for m in offline["log"])

@@ -119,10 +119,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
         self._extra = extra
         self._block_size = vllm_config.cache_config.block_size
         self._salt_prefix = str(extra.get("salt_prefix", "turborag"))
-        # the scheduler reads blobs only to learn their token ids: no RAM tier to fill
-        self._store = open_store(extra["store"], store_dir=extra.get("store_dir"),
-                                 memory_bytes=0 if role == KVConnectorRole.SCHEDULER else 1 << 30)
         self._enabled = True
+        self._store = None
         if getattr(cfg, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning('TurboRAG: kv_load_failure_policy is %r: a blob that cannot be read at '
                         'load time fails its request; set "kv_load_failure_policy": "recompute" '
@@ -131,9 +129,15 @@ class TurboRAGConnector(KVConnectorBase_V1):
         try:
             self._rotator = KeyRotator.for_config(model_config.hf_config)
         except Exception as exc:  # UnsupportedRopeError, or a config we cannot read
-            log.warning("TurboRAG is off for this model, every request is computed by vLLM: %s",
-                        exc)
-            self._enabled = False
+            self._off(f"its RoPE cannot be re-rotated: {exc}")
+        if self._enabled:
+            try:
+                # the scheduler reads blobs only to learn their token ids: no RAM tier to fill
+                self._store = open_store(
+                    extra["store"], store_dir=extra.get("store_dir"),
+                    memory_bytes=0 if role == KVConnectorRole.SCHEDULER else 1 << 30)
+            except Exception as exc:  # an unwritable folder, a refused connection
+                self._off(f"the store {extra['store']!r} cannot be opened: {exc}")
         self.chunk_fp = self.prefix_fp = None
         if role == KVConnectorRole.SCHEDULER:
             self._index = TokenSpanIndex(min_tokens=int(extra.get("min_chunk_tokens", 8)))
@@ -143,19 +147,30 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._claims: dict[str, Claim] = {}
             self._max_head = int(extra.get("max_head_tokens", 512))
             if self._enabled:
-                # blobs are made once, in one dtype (float32 on a CPU at ingestion), and may
-                # serve a worker of another: the worker casts them to its cache's dtype
-                blob_dtype = extra.get("blob_dtype") or model_config.dtype
-                self._engine = _head_engine(model_config.model, blob_dtype, extra, self._store)
-                self.chunk_fp = self._engine.fingerprint
-                self.prefix_fp = self._engine.prefix_fingerprint
-                self._engine.encode_separators()
-                self._refresh(force=True)
+                self._start_scheduler(model_config, extra)
         else:
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._tp: tuple[int, int] | None = None  # (rank, ranks), read at the first load
             self._load_errors: set[int] = set()
             self._lock = threading.Lock()
+
+    def _off(self, reason: str) -> None:
+        """Serve every request causally, and say why once."""
+        self._enabled = False
+        log.warning("TurboRAG is off: %s. vLLM computes every request itself.", reason)
+
+    def _start_scheduler(self, model_config, extra: dict) -> None:
+        try:
+            # blobs are made once, in one dtype (float32 on a CPU at ingestion), and may
+            # serve a worker of another: the worker casts them to its cache's dtype
+            blob_dtype = extra.get("blob_dtype") or model_config.dtype
+            self._engine = _head_engine(model_config.model, blob_dtype, extra, self._store)
+            self.chunk_fp = self._engine.fingerprint
+            self.prefix_fp = self._engine.prefix_fingerprint
+            self._engine.encode_separators()
+            self._refresh(force=True)
+        except Exception as exc:  # a model the HF engine cannot load, a store that fails
+            self._off(f"the model's blobs cannot be indexed: {type(exc).__name__}: {exc}")
 
     # ---- scheduler side ---------------------------------------------------------------------
     def _refresh(self, force: bool = False) -> None:
@@ -166,7 +181,12 @@ class TurboRAGConnector(KVConnectorBase_V1):
         self._refreshed = now
         wanted = {self.chunk_fp.id: False, self.prefix_fp.id: True}
         new = []
-        for key in self._store.keys():
+        try:
+            keys = self._store.keys()
+        except Exception as exc:  # a remote tier gone: claim what is indexed, look again later
+            log.warning("TurboRAG: the store cannot be listed: %s", exc)
+            keys = []
+        for key in keys:
             if key in self._index:
                 continue
             try:
@@ -285,6 +305,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 continue
             fp = meta.prefix_fp if span.plain else meta.chunk_fp
             try:
+                if self._store is None:
+                    raise RuntimeError("this worker could not open the store")
                 blob = self._store.get(span.key, fp)
             except Exception as exc:
                 log.warning("TurboRAG blob %s unreadable, vLLM recomputes it: %s",

@@ -1,0 +1,74 @@
+"""Run inside vLLM's venv: the connector built without an engine, for the paths where TurboRAG
+must switch itself off (vLLM then serves every request causally).
+
+    .venv-vllm/bin/python tests/vllm/offline.py MODEL_DIR STORE OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoConfig
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from turborag_integrations.vllm.connector import TurboRAGConnector
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def connector(model_dir: str, store: str, hf_config=None) -> TurboRAGConnector:
+    ktc = KVTransferConfig(kv_connector="TurboRAGConnector", kv_role="kv_consumer",
+                           kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"store": store, "refresh_s": 0})
+    config = SimpleNamespace(
+        kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=128),
+        model_config=SimpleNamespace(model=model_dir, dtype=torch.float32,
+                                     hf_config=hf_config or AutoConfig.from_pretrained(model_dir)))
+    return TurboRAGConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def request(ids, salt):
+    return SimpleNamespace(request_id="r", prompt_token_ids=ids, cache_salt=salt)
+
+
+def main(model_dir: str, store: str, out: str) -> None:
+    records = Records()
+    logging.getLogger("turborag.vllm").addHandler(records)
+    results = {}
+    ids = list(range(5, 60))
+
+    ok = connector(model_dir, store)
+    results["enabled"] = {"on": ok._enabled, "no_salt": ok.get_num_new_matched_tokens(
+        request(ids, None), 0), "other_salt": ok.get_num_new_matched_tokens(
+        request(ids, "tenant-a"), 0)}
+
+    longrope = AutoConfig.from_pretrained(model_dir)
+    longrope.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                "original_max_position_embeddings": 256}
+    off = connector(model_dir, store, longrope)
+    results["longrope"] = {"on": off._enabled,
+                           "claim": off.get_num_new_matched_tokens(request(ids, "turborag"), 0)}
+
+    bad = connector(model_dir, str(Path("/dev/null") / "store"))
+    results["bad_store"] = {"on": bad._enabled,
+                            "claim": bad.get_num_new_matched_tokens(request(ids, "turborag"), 0)}
+    results["log"] = records.messages
+    Path(out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
