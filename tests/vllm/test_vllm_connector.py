@@ -53,6 +53,12 @@ def test_chunks_joined_by_separators_are_stitched_through_the_stored_separator(m
     assert case["tokens"] == case["hf_turbo"]
 
 
+def test_chunks_the_client_names_are_used_and_unknown_ones_counted(measured):
+    stats = measured[0]["named"]["params"]["turborag"]
+    assert stats["named_chunks"] == 2 and stats["unknown_chunks"] == 1
+    assert stats["claimed_tokens"] == measured[0]["stitched"]["hf_reused"]
+
+
 def test_a_plain_request_after_a_stitched_one_gets_the_plain_answer(measured):
     # same tokens, no cache_salt: vLLM's prefix cache must not hand it the stitched blocks
     case = measured[0]["plain_after"]

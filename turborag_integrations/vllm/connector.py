@@ -145,6 +145,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._refreshed = 0.0
             self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
             self._claims: dict[str, Claim] = {}
+            self._named: dict[str, dict] = {}  # req_id -> counts of the chunks it named
             self._max_head = int(extra.get("max_head_tokens", 512))
             if self._enabled:
                 self._start_scheduler(model_config, extra)
@@ -219,6 +220,27 @@ class TurboRAGConnector(KVConnectorBase_V1):
             return None
         return key
 
+    def _named_chunks(self, request) -> dict | None:
+        """Chunk texts the client names in `kv_transfer_params.turborag_chunks`: indexed now if
+        stored (no wait for the next look at the store); the others are counted, not fatal."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        texts = params.get("turborag_chunks") if isinstance(params, dict) else None
+        if not isinstance(texts, list):
+            return None
+        unknown = 0
+        for text in texts:
+            try:
+                ids = self._engine.encoder.tokenize(text) if isinstance(text, str) else None
+            except Exception:  # empty, or longer than the window
+                ids = None
+            key = chunk_key(self.chunk_fp, ids) if ids else None
+            if key is None or not self._store.contains(key):
+                unknown += 1
+                continue
+            if not self._index.add([SpanEntry(key, tuple(ids))]) and key not in self._index:
+                unknown += 1  # shorter than min_chunk_tokens
+        return {"named_chunks": len(texts), "unknown_chunks": unknown}
+
     def _separator_key(self, ids) -> str | None:
         key = chunk_key(self.chunk_fp, list(ids))
         return key if self._store.contains(key) else None
@@ -227,6 +249,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if not self._enabled or not (request.cache_salt or "").startswith(self._salt_prefix):
             return 0, False
         self._refresh()
+        named = self._named_chunks(request)
         ids = list(request.prompt_token_ids or [])
         # a blob deleted since it was indexed ends the claim there (contains: one stat per span)
         matches = []
@@ -237,6 +260,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 self._index.discard(match.entry.key)
         claim = plan_claim(ids, matches, self._head_key, self._separator_key)
         self._claims[request.request_id] = claim
+        if named is not None:
+            self._named[request.request_id] = named
         if claim.end <= num_computed_tokens:
             return 0, False
         self._pending[request.request_id] = (claim, num_computed_tokens)
@@ -267,12 +292,14 @@ class TurboRAGConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         claim = self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        named = self._named.pop(request.request_id, None) or {}
         if claim is None:
             return False, None
         return False, {"turborag": {"claimed_tokens": claim.end,
                                     "chunk_tokens": claim.chunk_tokens,
                                     "spans": len(claim.spans),
-                                    "separators": sum(s.separator for s in claim.spans)}}
+                                    "separators": sum(s.separator for s in claim.spans),
+                                    **named}}
 
     # ---- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
