@@ -72,18 +72,25 @@ def start_worker(model: str | None, store: str | None,
         cmd += ["--store", store]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    wait_healthy(proc, url, 600, "the worker", lambda: proc.stderr.read()[-2000:])
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str,
+                 output) -> None:
+    """Return once `url`/health answers 200; exit with `output()` if the process ends first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the worker exited: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"{what} exited:\n{output()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
     proc.terminate()
-    raise SystemExit("the worker did not answer /health within 600 s")
+    raise SystemExit(f"{what} did not answer /health within {timeout:.0f} s")
 
 
 def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], question: str,

@@ -39,7 +39,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import QUESTIONS, make_chunks  # noqa: E402
-from load import free_port, one_request, percentile, start_worker  # noqa: E402
+from load import (free_port, one_request, percentile, start_worker,  # noqa: E402
+                  wait_healthy)
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "Answer from the context."  # load.one_request's system message
@@ -93,18 +94,8 @@ def start_vllm(python: Path, model_dir: str, config: dict | None,
                             env={**cpu_environment(), "HF_HUB_OFFLINE": "1",
                                  "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.terminate()
-    raise SystemExit(f"vLLM did not answer /health within 900 s: {log.name}")
+    wait_healthy(proc, url, 900, "vLLM", lambda: Path(log.name).read_text()[-3000:])
+    return proc, url
 
 
 def claimed_tokens(url: str, prompt, salt: str, join: str) -> int | None:

@@ -136,9 +136,7 @@ def main(model_dir: str, out_path: str) -> None:
     results["separated"] = {**run(sp["ids"], "turborag"), "hf_turbo": sp["turbo"],
                             "same_ids": sp["same_ids"], "separator_stored": sp["separator_stored"]}
     # chunks named by the client: one stored, one never ingested (ignored, and counted)
-    from vllm import SamplingParams as _SP
-
-    named = _SP(temperature=0, max_tokens=NEW_TOKENS, extra_args={"kv_transfer_params": {
+    named = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, extra_args={"kv_transfer_params": {
         "turborag_chunks": [CHUNKS[0], "A chunk nobody ever ingested into this store."]}})
     out = llm.generate([{"prompt_token_ids": r["ids"], "cache_salt": "turborag-named"}], named,
                        use_tqdm=False)[0]

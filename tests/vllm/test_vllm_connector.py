@@ -18,12 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = Path(os.environ.get("TURBORAG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def require_vllm() -> None:
+    """Skip without vLLM's venv; fail instead where it must be there (TURBORAG_REQUIRE_VLLM=1)."""
     if not PYTHON.exists():
         if os.environ.get("TURBORAG_REQUIRE_VLLM") == "1":
             pytest.fail(f"no vLLM venv at {PYTHON}: build it with `bash scripts/install.sh vllm`")
         pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    require_vllm()
     from turborag_integrations.core.models import prepare_bundled
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
@@ -88,10 +93,7 @@ def test_a_blob_unreadable_at_load_time_is_recomputed_and_logged(measured):
 
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory, model_dir):
-    if not PYTHON.exists():
-        if os.environ.get("TURBORAG_REQUIRE_VLLM") == "1":
-            pytest.fail(f"no vLLM venv at {PYTHON}: build it with `bash scripts/install.sh vllm`")
-        pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
+    require_vllm()
     tmp = tmp_path_factory.mktemp("offline")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "offline.py"), model_dir,

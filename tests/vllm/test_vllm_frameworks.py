@@ -5,7 +5,6 @@ vLLM (its own venv) reuses their blobs, as its prefix-cache counters show."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .test_vllm_connector import PYTHON, ROOT
+from .test_vllm_connector import PYTHON, ROOT, require_vllm
 
 MODEL = "smollm2-135m-instruct"
 SALT = {"cache_salt": "turborag"}
@@ -53,10 +52,7 @@ def reused(url: str) -> float:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    if not PYTHON.exists():
-        if os.environ.get("TURBORAG_REQUIRE_VLLM") == "1":
-            pytest.fail(f"no vLLM venv at {PYTHON}: build it with `bash scripts/install.sh vllm`")
-        pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
+    require_vllm()
     pytest.importorskip("llama_index.llms.openai_like")
     pytest.importorskip("langchain_openai")
     from turborag_integrations.core.engine import TurboRAGEngine

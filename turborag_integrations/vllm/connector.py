@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +115,6 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if not extra.get("store"):
             raise ValueError('TurboRAGConnector needs kv_connector_extra_config {"store": '
                              '"<store folder or redis:// URL>"}: where the chunk blobs are')
-        self._extra = extra
         self._block_size = vllm_config.cache_config.block_size
         self._salt_prefix = str(extra.get("salt_prefix", "turborag"))
         self._enabled = True
@@ -150,10 +148,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
             if self._enabled:
                 self._start_scheduler(model_config, extra)
         else:
-            self._kv_caches: dict[str, torch.Tensor] = {}
             self._tp: tuple[int, int] | None = None  # (rank, ranks), read at the first load
             self._load_errors: set[int] = set()
-            self._lock = threading.Lock()
 
     def _off(self, reason: str) -> None:
         """Serve every request causally, and say why once."""
@@ -302,9 +298,6 @@ class TurboRAGConnector(KVConnectorBase_V1):
                                     **named}}
 
     # ---- worker side ------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._kv_caches = dict(kv_caches)
-
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, TurboRAGConnectorMetadata) or not meta.loads:

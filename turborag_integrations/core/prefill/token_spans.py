@@ -48,7 +48,7 @@ class TokenSpanIndex:
         self.min_tokens = min_tokens
         self.head = head
         self._by_head: dict[tuple[int, ...], list[SpanEntry]] = {}
-        self._keys: set[str] = set()
+        self._keys: dict[str, tuple[int, ...]] = {}  # key -> the head it is filed under
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -64,20 +64,22 @@ class TokenSpanIndex:
             for entry in entries:
                 if entry.key in self._keys or len(entry.token_ids) < self.min_tokens:
                     continue
-                self._by_head.setdefault(entry.token_ids[:self.head], []).append(entry)
-                self._keys.add(entry.key)
+                head = entry.token_ids[:self.head]
+                self._by_head.setdefault(head, []).append(entry)
+                self._keys[entry.key] = head
                 added += 1
         return added
 
     def discard(self, key: str) -> None:
         with self._lock:
-            if key not in self._keys:
+            head = self._keys.pop(key, None)
+            if head is None:
                 return
-            self._keys.discard(key)
-            for head, bucket in list(self._by_head.items()):
-                bucket[:] = [e for e in bucket if e.key != key]
-                if not bucket:
-                    del self._by_head[head]
+            bucket = [e for e in self._by_head[head] if e.key != key]
+            if bucket:
+                self._by_head[head] = bucket
+            else:
+                del self._by_head[head]
 
     def find(self, prompt_ids: Sequence[int]) -> list[SpanMatch]:
         """Non-overlapping matches in prompt order; plain entries only at position 0."""
