@@ -227,12 +227,17 @@ def test_finetuned_modes_agree_with_their_own_naive_reply(tmp_path):
         "ft:turbo+boundary:100000"]
 
 
-def test_an_item_skipped_in_one_mode_is_skipped_in_every_mode(tmp_path):
+def test_an_item_skipped_in_one_mode_is_skipped_in_every_mode(tmp_path, monkeypatch):
     """Chunks ending in a space: inside the whole prompt " \n" is one token (the tokenizer merges
-    it); stitched, each chunk ends with " " and the text after it starts with "\n", one token more
-    per chunk. With the window one token past the whole prompt, naive answers the item and the
-    stitched prompt does not fit: the item must then count in neither mode."""
+    it). A tokenizer that cannot say where its tokens start (simulated here) makes the engine
+    tokenize the pieces alone: each chunk then ends with " " and the text after it starts with
+    "\n", one token more per chunk. With the window one token past the whole prompt, naive
+    answers the item and the stitched prompt does not fit: the item must then count in neither
+    mode. (With offsets the stitched prompt is the whole prompt's tokens, and fits as it does.)"""
+    import turborag_integrations.core.engine as engine_module
     from turborag_integrations.core.prefill.segment import split_prompt
+
+    monkeypatch.setattr(engine_module, "tokenize_with_starts", lambda tokenizer, prompt: None)
     from turborag_integrations.evaluation.prompt import build_prompt
     from tests.conftest import byte_tokenizer
 

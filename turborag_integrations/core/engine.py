@@ -27,7 +27,7 @@ from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
-from .prefill.segment import split_prompt
+from .prefill.segment import Piece, split_prompt, token_pieces, tokenize_with_starts
 from .prefill.separators import separator_ids
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
@@ -252,9 +252,20 @@ class TurboRAGEngine:
         """Key of the plain (unanchored) blob of a prompt head."""
         return self._key(text, self.prefix_encoder)
 
-    def prefix_blob(self, text: str, *, encode_missing: bool = True) -> KVBlob | None:
-        """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill."""
-        return self._blob(text, self.prefix_encoder, encode_missing)
+    def prefix_blob(self, text: str, *, encode_missing: bool = True,
+                    ids: Sequence[int] | None = None) -> KVBlob | None:
+        """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill.
+        `ids`: its tokens as the whole prompt has them (else the text is tokenized alone)."""
+        if ids is None:
+            return self._blob(text, self.prefix_encoder, encode_missing)
+        if not ids:
+            return None
+        key = chunk_key(self.prefix_fingerprint, ids)
+        blob = self.store.get(key, self.prefix_fingerprint)
+        if blob is None and encode_missing:
+            [blob] = self.prefix_encoder.encode_ids([list(ids)])
+            self.keep(blob, kind="prefix")
+        return blob
 
     def _blob(self, text: str, encoder: ChunkEncoder, encode_missing: bool) -> KVBlob | None:
         try:
@@ -301,31 +312,48 @@ class TurboRAGEngine:
             return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
         if self.question_last:
             prompt = question_last(prompt, chunks, self.user_opener)
-        found = set()
-        segments = []
-        pieces = split_prompt(prompt, chunks)
         pending = {}
         if self.prefetch:
             # Read all blobs concurrently (threads release the GIL in file I/O) instead of one
             # after another; the first wait below overlaps with the remaining reads.
-            keys = {text: self.chunk_key(text) for text, is_chunk in pieces if is_chunk}
+            keys = {text: self.chunk_key(text) for text in chunks if text in prompt}
             futures = self.store.prefetch(list(keys.values()), self.fingerprint)
             pending = {text: f for text, f in zip(keys, futures)}
-        for i, (text, is_chunk) in enumerate(pieces):
-            if is_chunk:
+        blobs: dict[str, KVBlob | None] = {}
+
+        def blob_of(text: str) -> KVBlob | None:
+            if text not in blobs:
                 blob = pending[text].result() if text in pending else None
+                blobs[text] = blob if blob is not None else self.blob_for(
+                    text, encode_missing=encode_missing)
+            return blobs[text]
+
+        tokens = tokenize_with_starts(self.tokenizer, prompt)
+        if tokens is None:  # no token offsets: each piece is tokenized alone
+            pieces = [Piece(text, None, text if is_chunk else None)  # type: ignore[arg-type]
+                      for text, is_chunk in split_prompt(prompt, chunks)]
+        else:
+            pieces = token_pieces(prompt, *tokens, chunks, lambda text: (
+                None if (b := blob_of(text)) is None else b.token_ids.tolist()))
+        found = set()
+        segments = []
+        for i, piece in enumerate(pieces):
+            if piece.chunk is not None:
+                blob = blob_of(piece.chunk)
                 if blob is None:
-                    blob = self.blob_for(text, encode_missing=encode_missing)
-                if blob is not None:
-                    found.add(text)
-            elif i == 0 and self.cache_prefix and any(c for _, c in pieces[1:]):
+                    segments.append(Segment(piece.text))
+                    continue
+                found.add(piece.chunk)
+                # the chunk's tail may merge with the text after it: its leading tokens only
+                segments.append(Segment(piece.text, blob if piece.ids is None
+                                        else blob.head(len(piece.ids))))
+            elif i == 0 and self.cache_prefix and any(p.chunk for p in pieces[1:]):
                 # The text before the first chunk (system prompt, template head) sees only
                 # itself, exactly like a chunk at position 0: caching it is exact, and it is the
                 # same for every query of an app.
-                blob = self.prefix_blob(text)
+                segments.append(Segment(piece.text, self.prefix_blob(piece.text, ids=piece.ids)))
             else:
-                blob = None
-            segments.append(Segment(text, blob))
+                segments.append(Segment(piece.text, ids=piece.ids))
         return segments, len(found), len(chunks) - len(found)
 
     # ---- generation -------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Fine-tuning examples in TurboRAG's layout: independent-attention mask, stitched positions.
 
 An example is laid out exactly as the engine lays out the prompt at inference (the same prompt
-text, split around the chunk texts and tokenized piece by piece through `stitch.plan_prompt`),
-followed by the answer. The sequence and mask are `stitch.layout`'s (invariant 2): chunk tokens
+text, cut around the chunk texts in its own tokenization by `segment.token_pieces`), followed by
+the answer. The sequence and mask are `stitch.layout`'s (invariant 2): chunk tokens
 see only their own chunk — and their own copy of the anchor the engine encodes chunks after,
 which nothing else sees — and every other token (template, question, answer) sees all prompt
 tokens before it. Position ids are reordered (each token at its prompt index) or composite (each
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..core.prefill.segment import split_prompt
+from ..core.prefill.segment import Piece, split_prompt, token_pieces, tokenize_with_starts
 from ..core.prefill.stitch import Segment, independent_attention_mask, layout, plan_prompt
 from ..evaluation.prompt import DOC_END, DOC_START, build_prompt, render
 
@@ -28,9 +28,10 @@ class _TokensOnly:
 
     fingerprint = None
 
-    def __init__(self, ids: Sequence[int], base_position: int = 0):
+    def __init__(self, ids: Sequence[int], base_position: int = 0, head: bool = False):
         self.token_ids = torch.as_tensor(list(ids), dtype=torch.long)
         self.base_position = base_position
+        self.is_head = head  # the prompt's head: cached plain, never a chunk
 
     @property
     def num_tokens(self) -> int:
@@ -77,13 +78,22 @@ def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
                     cache_prefix: bool = True, anchor_len: int = 0) -> list[Segment]:
     """The engine's segmentation of `prompt` (see TurboRAGEngine.segments), with token-only blobs:
     chunks encoded after an `anchor_len`-token anchor, the prompt's head plain."""
-    pieces = split_prompt(prompt, chunk_texts)
+    def own_ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    tokens = tokenize_with_starts(tokenizer, prompt)
+    if tokens is None:  # the engine's fallback too: each piece tokenized alone
+        pieces = [Piece(text, tuple(own_ids(text)), text if is_chunk else None)
+                  for text, is_chunk in split_prompt(prompt, chunk_texts)]
+    else:
+        pieces = token_pieces(prompt, *tokens, chunk_texts, own_ids)
     segments = []
-    for i, (text, is_chunk) in enumerate(pieces):
-        cached = is_chunk or (i == 0 and cache_prefix and any(c for _, c in pieces[1:]))
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        blob = _TokensOnly(ids, anchor_len if is_chunk else 0) if cached else None
-        segments.append(Segment(text, blob))  # type: ignore[arg-type]
+    for i, piece in enumerate(pieces):
+        is_chunk = piece.chunk is not None
+        cached = is_chunk or (i == 0 and cache_prefix and any(p.chunk for p in pieces[1:]))
+        blob = _TokensOnly(piece.ids, anchor_len if is_chunk else 0, not is_chunk) \
+            if cached else None
+        segments.append(Segment(piece.text, blob, None if cached else piece.ids))  # type: ignore[arg-type]
     return segments
 
 

@@ -31,7 +31,6 @@ from ..core.models import load_model
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
 from ..core.prefill.blob import fingerprint_model
 from ..core.prefill.encoding import LearnedEncoding, new_lora
-from ..core.prefill.segment import split_prompt
 from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
 from ..evaluation.harness import load_items
 from . import optim
@@ -90,9 +89,8 @@ def make_example(tok, prompt: str, chunk_texts: Sequence[str], completion: str,
     lay = layout(plan, head)
     reply = tok(completion, add_special_tokens=False)["input_ids"]
     start = plan.next_position + len(head)
-    pieces = split_prompt(prompt, chunk_texts)
     # the prompt's head (text before the first chunk) is cached plain, never with the encoder
-    has_head = bool(pieces) and not pieces[0][1] and any(c for _, c in pieces[1:])
+    has_head = bool(segments) and getattr(segments[0].blob, "is_head", False)
     chunk_spans = [s for s in lay.spans if not (has_head and s[0] == 0)]
     teacher = tok(prompt, add_special_tokens=False)["input_ids"]
     return DistillExample(teacher + reply, len(teacher) - 1, lay.token_ids + reply,

@@ -327,7 +327,7 @@ def test_a_full_disk_costs_the_cache_not_the_answer(tmp_path, caplog):
     prompt = "Answer from the notes.\n" + "".join(chunks) + "\nQ: where was Alice born?\nA:"
     config = GenerationConfig(max_new_tokens=12)
     expected = TurboRAGEngine(loaded, store=tmp_path / "roomy", progress=False).generate(
-        prompt, chunks=chunks, config=config)
+        prompt, chunks=chunks, config=config, encode_missing=True)
     with small_disk(tmp_path / "full", "64k") as mnt:
         # Budgets above the disk's size, so that the disk, not a budget, says no.
         store = KVStore(mnt / "kv", disk_bytes="1GiB", prefix_bytes="1GiB")
@@ -339,8 +339,9 @@ def test_a_full_disk_costs_the_cache_not_the_answer(tmp_path, caplog):
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC
         with caplog.at_level(logging.WARNING):
-            got = engine.generate(prompt, chunks=chunks, config=config)
+            got = engine.generate(prompt, chunks=chunks, config=config, encode_missing=True)
         assert got.token_ids == expected.token_ids
+        assert got.stats.reused_tokens == expected.stats.reused_tokens > 0
         assert "not stored, the answer goes on without caching it" in caplog.text
         assert "disk is full" in caplog.text
         engine.store.close()

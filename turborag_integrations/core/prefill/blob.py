@@ -169,6 +169,16 @@ class KVBlob:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes
 
+    def head(self, n: int) -> "KVBlob":
+        """The blob of the chunk's first n tokens: causal attention makes their keys and values
+        independent of the tokens after them, so a view is exact."""
+        if not 0 < n <= self.num_tokens:
+            raise ValueError(f"a blob of {self.num_tokens} tokens has no head of {n}")
+        if n == self.num_tokens:
+            return self
+        return KVBlob(self.token_ids[:n], self.keys[:, :, :n], self.values[:, :, :n],
+                      self.fingerprint, self.base_position)
+
 
 ProgressFn = Callable[[int, int], None]  # (done, total)
 

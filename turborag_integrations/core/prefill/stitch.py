@@ -43,10 +43,13 @@ Positions = Literal["reordered", "composite"]
 
 @dataclass(frozen=True)
 class Segment:
-    """A piece of the prompt: plain text, or a chunk with its KV blob."""
+    """A piece of the prompt: plain text, or a chunk with its KV blob. A plain segment may
+    carry its token ids (`ids`: the prompt's own tokens for this text, segment.token_pieces);
+    otherwise its text is tokenized alone."""
 
     text: str
     blob: KVBlob | None = None
+    ids: tuple[int, ...] | None = None
 
     @property
     def cached(self) -> bool:
@@ -91,7 +94,8 @@ def plan_prompt(segments: Sequence[Segment], tokenizer, *, positions: Positions 
     # The last token's logits start generation, so the prompt must end with prefilled text; a
     # trailing chunk is simply prefilled (correct, just not reused).
     if segments and segments[-1].cached:
-        segments[-1] = Segment(segments[-1].text)
+        last = segments[-1]
+        segments[-1] = Segment(last.text, ids=tuple(last.blob.token_ids.tolist()))
     token_ids: list[int] = []
     pos: list[int] = []
     spans: list[CachedSpan] = []
@@ -107,9 +111,14 @@ def plan_prompt(segments: Sequence[Segment], tokenizer, *, positions: Positions 
             pos.extend(range(start, start + len(ids)))
             next_pos = max(next_pos, start + len(ids))
         else:
-            if not seg.text:
+            if seg.ids is not None:
+                ids = list(seg.ids)
+            elif seg.text:
+                ids = tokenizer(seg.text, add_special_tokens=False)["input_ids"]
+            else:
                 continue
-            ids = tokenizer(seg.text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                continue
             plain_index.extend(range(len(token_ids), len(token_ids) + len(ids)))
             pos.extend(range(next_pos, next_pos + len(ids)))
             next_pos += len(ids)
