@@ -177,16 +177,24 @@ class BatchScheduler:
     def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
                positions: str | None = None, encode_missing: bool = False,
-               recovery=None, cancelled: threading.Event | None = None) -> GenerationStream:
+               recovery=None, cancelled: threading.Event | None = None,
+               engine=None) -> GenerationStream:
         """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
         joins the batch when the stream is first iterated.
+
+        engine: a namespace of the scheduler's engine (`TurboRAGEngine.namespaced`) whose
+        store the prompt's blobs come from; default: the scheduler's engine itself.
 
         cancelled: an event that withdraws the request once set (from any thread): never
         prefilled if it is still waiting (the stream raises `RequestCancelled`), out of the
         batch at the next round if it is in."""
         config = config or GenerationConfig()
+        if engine is not None and engine.model is not self.engine.model:
+            raise ValueError("a request's engine must be a namespace of the scheduler's engine "
+                             "(engine.namespaced(name)), not another model")
         request = _Request(prompt, list(chunks), config, mode, positions, encode_missing, recovery,
                            cancelled)
+        request.engine = engine or self.engine
         return GenerationStream(start=lambda: self._start(request))
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -342,7 +350,7 @@ class BatchScheduler:
 
     def _prefill(self, request: _Request):
         """`engine.stream`'s prefill of the request's prompt; fills in its prompt stats."""
-        engine, config = self.engine, request.config
+        engine, config = request.engine, request.config
         t0 = now()
         if isinstance(request.prompt, str):
             segments, hits, misses = engine.segments(request.prompt, request.chunks,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from pathlib import Path
@@ -46,7 +47,8 @@ class TurboRAGEngine:
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  adapter: str | Path | None = None, question_last: bool = False,
-                 encoder: "str | Path | LearnedEncoding | None" = "default"):
+                 encoder: "str | Path | LearnedEncoding | None" = "default",
+                 namespace: str = ""):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -64,6 +66,10 @@ class TurboRAGEngine:
         changes the model itself (every answer, full prefill included); None (the default) uses
         the weights as they are, "default" merges the one shipped for SmolLM2. The weights
         digest, and so every blob's fingerprint, follows the merge.
+
+        namespace: the store namespace (a tenant) this engine ingests into and reads from;
+        "" (the default) is the single namespace of a store without tenants. One engine serves
+        several: `engine.namespaced(name)` (core/store/namespaces.py).
 
         question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
         Context: … Answer:") in front of the user's text before them, so that the question is read
@@ -111,17 +117,44 @@ class TurboRAGEngine:
         self.fingerprint: Fingerprint = self.encoder.fingerprint
         self.prefix_fingerprint: Fingerprint = self.prefix_encoder.fingerprint
         self._owns_store = not isinstance(store, KVStore)
-        self.store = store if isinstance(store, KVStore) else KVStore(store)
+        root_store = store if isinstance(store, KVStore) else KVStore(store)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
+        self._views: dict[tuple[str, tuple[str, ...]], TurboRAGEngine] = {}
+        self._views_lock = threading.Lock()
+        self._bind(root_store.namespace(namespace), ())
+
+    def _bind(self, store: KVStore, shared: "tuple[TurboRAGEngine, ...]") -> None:
+        """Point this engine (or a view of it) at one namespace's store."""
+        self.store = store
+        self.namespace = store.namespace_name
+        self._shared = shared
         self._keys: dict[str, str] = {}
         self._keys_lock = threading.Lock()
         self._separator_keys: list[str] | None = None
 
+    def namespaced(self, name: str, *, shared: Sequence[str] = ()) -> "TurboRAGEngine":
+        """This engine in namespace `name`: the same model, encoders and cache pool, the store
+        of that namespace (core/store/namespaces.py). A chunk without a blob of its own there is
+        looked up in the `shared` namespaces too, in order (read only: whatever this view
+        encodes goes into `name`). The same object for the same arguments, so that adapters
+        built on it share one chunk registry; closing a view closes nothing."""
+        key = (name, tuple(shared))
+        root = getattr(self, "_root", self)
+        with root._views_lock:
+            view = root._views.get(key)
+            if view is None:
+                view = copy.copy(root)
+                view._root, view._owns_store = root, False
+                others = tuple(root.namespaced(n) for n in shared if n != name)
+                view._bind(root.store.namespace(name), others)
+                root._views[key] = view
+        return view
+
     def close(self) -> None:
         """Close the KV store if this engine opened it (a store passed in stays open)."""
         if self._owns_store:
-            self.store.close()
+            self.store.namespace("").close()  # the whole store, every namespace's with it
 
     def __enter__(self) -> "TurboRAGEngine":
         return self
@@ -153,7 +186,7 @@ class TurboRAGEngine:
         digest = encoder.fingerprint.encoding + "|" + xxhash.xxh3_128_hexdigest(text.encode())
         key = self._keys.get(digest)
         if key is None:
-            key = chunk_key(encoder.fingerprint, encoder.tokenize(text))
+            key = self.store.key(encoder.fingerprint, encoder.tokenize(text))
             with self._keys_lock:
                 if len(self._keys) >= 65536:
                     self._keys.pop(next(iter(self._keys)))
@@ -164,7 +197,7 @@ class TurboRAGEngine:
                       progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Encode and store the blobs of `texts` (skipping those already stored); return keys."""
         ids = [self.encoder.tokenize(t) for t in texts]
-        keys = [chunk_key(self.fingerprint, i) for i in ids]
+        keys = [self.store.key(self.fingerprint, i) for i in ids]
         first: dict[str, int] = {}  # encode each distinct chunk once
         pending_refs: list[tuple[str, str]] = []
         todo = []
@@ -199,7 +232,7 @@ class TurboRAGEngine:
         starts) needs them stored to go on past the first chunk (core/prefill/separators.py)."""
         if self._separator_keys is None:
             runs = separator_ids(self.tokenizer)
-            keys = [chunk_key(self.fingerprint, r) for r in runs]
+            keys = [self.store.key(self.fingerprint, r) for r in runs]
             todo = [r for r, k in zip(runs, keys) if not self.store.contains(k)]
             for blob in self.encoder.encode_ids(todo) if todo else []:
                 self.keep(blob)
@@ -223,10 +256,12 @@ class TurboRAGEngine:
             except EmptyChunkError:
                 keys.append(None)
                 continue
-            if self.store.contains(key):
-                keys.append(key)
+            holder = next((e for e in (self, *self._shared)
+                           if e.store.contains(e.chunk_key(text))), None)
+            if holder is not None:
+                keys.append(holder.chunk_key(text))
                 if warm:
-                    self.store.get(key, self.fingerprint)
+                    holder.store.get(keys[-1], self.fingerprint)
             else:
                 keys.append(key if encode_missing else None)
                 if encode_missing:
@@ -260,7 +295,7 @@ class TurboRAGEngine:
             return self._blob(text, self.prefix_encoder, encode_missing)
         if not ids:
             return None
-        key = chunk_key(self.prefix_fingerprint, ids)
+        key = self.store.key(self.prefix_fingerprint, ids)
         blob = self.store.get(key, self.prefix_fingerprint)
         if blob is None and encode_missing:
             [blob] = self.prefix_encoder.encode_ids([list(ids)])
@@ -273,6 +308,11 @@ class TurboRAGEngine:
         except EmptyChunkError:
             return None
         blob = self.store.get(key, encoder.fingerprint)
+        if blob is None and encoder is self.encoder:
+            for other in self._shared:  # read-only namespaces, in order
+                blob = other.store.get(other._key(text, encoder), encoder.fingerprint)
+                if blob is not None:
+                    break
         if blob is None and encode_missing:
             blob = encoder.encode(text)
             # A prompt head is written per query: the store bounds such blobs apart from chunks.

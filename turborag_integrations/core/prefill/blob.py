@@ -133,10 +133,22 @@ def fingerprint_model(model, tokenizer, name: str) -> Fingerprint:
                        tokenizer=tok_hash, dtype=dtype)
 
 
-def chunk_key(fingerprint: Fingerprint, token_ids: Sequence[int]) -> str:
-    """Content address of a chunk for one model setup: same tokens + same setup → same key."""
+def namespace_tag(namespace: str) -> str:
+    """The short tag that ends every key of a namespace ("" for the default namespace)."""
+    return _digest(f"namespace|{namespace}", size=8) if namespace else ""
+
+
+def chunk_key(fingerprint: Fingerprint, token_ids: Sequence[int], namespace: str = "") -> str:
+    """Content address of a chunk for one model setup: same tokens + same setup → same key.
+
+    In a namespace (a tenant, core/store/namespaces.py) the namespace is digested with the
+    tokens and its tag ends the key ("<digest>-<tag>"): the same text has another key in every
+    namespace, and a store of one namespace can tell a key of another by its tag."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()
-    return _digest(fingerprint.id.encode() + b"|" + ids, size=20)
+    if not namespace:
+        return _digest(fingerprint.id.encode() + b"|" + ids, size=20)
+    salted = f"{fingerprint.id}|namespace|{namespace}|".encode() + ids
+    return f"{_digest(salted, size=20)}-{namespace_tag(namespace)}"
 
 
 @dataclass

@@ -23,12 +23,13 @@ from typing import Iterable
 
 import torch
 
-from ..prefill.blob import Fingerprint, KVBlob
+from ..prefill.blob import Fingerprint, KVBlob, chunk_key, namespace_tag
 from ..errors import BlobCorrupted, TurboRAGError
 from .budget import parse_size
 from .codec import STORAGE_DTYPES
 from .disk import KINDS, DiskTier, StoreWriteError
 from .memory import MemoryTier
+from .namespaces import check_namespace, disk_partition, key_in_namespace, namespace_root
 from .tier import Tier, owned_copy
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,11 @@ class KVStore:
                  storage_dtype: str = "native", accelerator_bytes: int = 0,
                  prefetch_threads: int = 4, tiers: Iterable[Tier] = (),
                  disk_bytes: int | str | None = None, prefix_bytes: int | str | None = None,
-                 remote_url: str | None = None):
-        self.disk = DiskTier(root or default_store_path(), storage_dtype, max_bytes=disk_bytes,
-                             prefix_bytes=prefix_bytes)
+                 remote_url: str | None = None, namespace: str = ""):
+        check_namespace(namespace)
+        self.base = Path(root or default_store_path()).expanduser()
+        self.disk = DiskTier(namespace_root(self.base, namespace), storage_dtype,
+                             max_bytes=disk_bytes, prefix_bytes=prefix_bytes)
         self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
         self.accelerator = (MemoryTier(accelerator_bytes, device="cuda")
                             if accelerator_bytes > 0 and torch.cuda.is_available() else None)
@@ -122,14 +125,71 @@ class KVStore:
             if not isinstance(tier, Tier):
                 raise TypeError(f"{tier!r} does not keep the tier contract of "
                                 f"{Tier.__module__}.Tier")
-        self.tiers: tuple[Tier, ...] = tuple(
-            t for t in (self.accelerator, self.memory, self.disk, *extra) if t is not None)
+        self._setup(namespace, (self.accelerator, self.memory, self.disk, *extra),
+                    prefetch_threads, (disk_bytes, prefix_bytes))
+
+    def _setup(self, namespace: str, tiers, prefetch_threads: int, budgets) -> None:
+        self.namespace_name = namespace
+        self._tag = namespace_tag(namespace)
+        self.tiers: tuple[Tier, ...] = tuple(t for t in tiers if t is not None)
         self._disk_depth = self.tiers.index(self.disk)
+        self._budgets = budgets
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._prefetch_threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._children: dict[str, KVStore] = {}
+        self._parent: KVStore | None = None
+        self._owns_disk = True
+
+    # ---- namespaces -------------------------------------------------------------------------
+    def namespace(self, name: str) -> "KVStore":
+        """The store of namespace `name` (a tenant): its own disk tier under
+        `<root>/namespaces/<tag>` with the same budgets, its own keys (`key`), and the memory,
+        accelerator and remote tiers of this store, in which it sees only its own keys (see
+        `namespaces.py`). The same object for the same name; "" is the default namespace."""
+        check_namespace(name)
+        if name == self.namespace_name:
+            return self
+        if self._parent is not None:
+            return self._parent.namespace(name)
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError(f"the KV store at {self.base} is closed")
+            child = self._children.get(name)
+            if child is None:
+                child = self._children[name] = self._child(name)
+        return child
+
+    def _child(self, name: str) -> "KVStore":
+        """A namespace's store: every tier of this one but the disk tier (hold self._lock)."""
+        child = KVStore.__new__(KVStore)  # built from this store's tiers, not from settings
+        child.base = self.base
+        partition = disk_partition(name)
+        if partition == name:
+            disk_bytes, prefix_bytes = self._budgets
+            child.disk = DiskTier(namespace_root(self.base, name), self.disk.storage_dtype,
+                                  max_bytes=disk_bytes, prefix_bytes=prefix_bytes)
+        else:  # "tenant/salt": the tenant's disk tier
+            owner = self if not partition else self._children.get(partition)
+            if owner is None:
+                owner = self._children[partition] = self._child(partition)
+            child.disk = owner.disk
+        child.memory, child.accelerator = self.memory, self.accelerator
+        tiers = [child.disk if t is self.disk else t for t in self.tiers]
+        child._setup(name, tiers, self._prefetch_threads, self._budgets)
+        child._parent = self
+        child._owns_disk = partition == name
+        return child
+
+    def key(self, fingerprint: Fingerprint, token_ids) -> str:
+        """The key of a chunk's blob in this store's namespace."""
+        return chunk_key(fingerprint, list(token_ids), self.namespace_name)
+
+    def owns(self, key: str) -> bool:
+        """Whether `key` is a key of this store's namespace (by its tag)."""
+        return key_in_namespace(key, self._tag)
 
     @property
     def root(self) -> Path:
@@ -169,7 +229,7 @@ class KVStore:
         shipping them to a shared remote tier would cost more than it saves."""
         if kind not in KINDS:
             raise ValueError(f"a blob's kind is one of {KINDS}, not {kind!r}")
-        key = blob.key
+        key = self.key(blob.fingerprint, blob.token_ids.tolist())
         for tier in self._open_tiers():
             if kind == "prefix" and tier is not self.disk:
                 continue
@@ -184,11 +244,13 @@ class KVStore:
 
     def add_ref(self, key: str, doc_id: str) -> None:
         """Record that document `doc_id` uses the blob under `key`."""
-        self.disk.add_ref(key, doc_id)
+        if self.owns(key):
+            self.disk.add_ref(key, doc_id)
 
     # ---- read -------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        return any(tier.contains(key) for tier in self._open_tiers())
+        tiers = self._open_tiers()
+        return self.owns(key) and any(tier.contains(key) for tier in tiers)
 
     def get(self, key: str, fingerprint: Fingerprint | None = None) -> KVBlob | None:
         """The blob under key, or None on a miss; never a blob of another fingerprint.
@@ -196,7 +258,7 @@ class KVStore:
         Tiers are asked fastest first. A corrupted entry is reported and removed, and the lookup
         goes on in the next tier. A hit is copied into the faster tiers that missed it."""
         tiers = self._open_tiers()
-        found = self._find(tiers, key)
+        found = self._find(tiers, key) if self.owns(key) else None
         if found is None:
             self._count("misses")
             return None
@@ -257,8 +319,10 @@ class KVStore:
 
     # ---- management -------------------------------------------------------------------------
     def delete(self, key: str) -> bool:
-        """Remove key from every tier; True if any held it."""
-        return any([tier.delete(key) for tier in self._open_tiers()])  # a list: ask them all
+        """Remove key from every tier; True if any held it. A key of another namespace is
+        not this store's to remove."""
+        tiers = self._open_tiers()
+        return self.owns(key) and any([tier.delete(key) for tier in tiers])  # ask them all
 
     def delete_doc(self, doc_id: str) -> list[str]:
         """Forget a document: delete the blobs only it used. Returns the deleted keys."""
@@ -273,7 +337,7 @@ class KVStore:
         held = set()
         for tier in self._open_tiers():
             if tier.write_through:
-                held.update(tier.keys())
+                held.update(k for k in tier.keys() if self.owns(k))
         return sorted(held)
 
     def close(self) -> None:
@@ -284,9 +348,14 @@ class KVStore:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
+            children, self._children = list(self._children.values()), {}
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for tier in self.tiers:
+        for child in children:
+            child.close()
+        # a namespace's store closes its own disk tier (a salted one's is its tenant's); the
+        # shared tiers are its parent's
+        for tier in self.tiers if self._parent is None else (self.disk,) * self._owns_disk:
             tier.close()
 
     def __enter__(self) -> KVStore:
@@ -300,7 +369,7 @@ class KVStore:
         writers that died. Returns the deleted keys."""
         self.disk.sweep_temp(temp_older_than_s)
         deleted = []
-        for key in self.disk.keys():
+        for key in filter(self.owns, self.disk.keys()):
             try:
                 meta = self.disk.read_meta(key) or {}
                 same = Fingerprint.from_json(meta["fingerprint"]).id == keep.id
@@ -321,7 +390,7 @@ class KVStore:
         """Check every blob's checksum (of header and data) now, whatever was verified before.
         Returns {key: problem}; removes them if asked."""
         problems = {}
-        for key in self.disk.keys():
+        for key in filter(self.owns, self.disk.keys()):
             try:
                 self.disk.verify(key)
             except BlobCorrupted as exc:
