@@ -181,3 +181,27 @@ def test_engine_closes_the_store_it_opened_and_only_that(tiny, tmp_path):
         borrower.encode_chunks(["A chunk in a store the caller owns."])
     assert len(shared.keys()) == 1  # still open
     shared.close()
+
+
+def test_namespaces_reuse_only_their_own_blobs_and_the_shared_ones(tiny, tmp_path):
+    """Invariant 10 in the engine: what one namespace ingested is never reused by another; a
+    namespace named as shared is read, never written."""
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    a, b = engine.namespaced("a"), engine.namespaced("b", shared=("public",))
+    public = engine.namespaced("public")
+    assert engine.namespaced("a") is a and a.namespace == "a" and engine.namespace == ""
+    a.encode_chunks(CHUNKS[:1])
+    public.encode_chunks(CHUNKS[1:])
+    prompt = "Context:\n" + CHUNKS[0] + "\n" + CHUNKS[1] + "\nQuestion: who?\nAnswer:"
+    config = GenerationConfig(max_new_tokens=4)
+    tokens = {name: len(engine.tokenizer(c, add_special_tokens=False)["input_ids"])
+              for name, c in zip("01", CHUNKS)}
+    for view, hits in ((a, 1), (b, 1), (engine, 0), (public, 1)):
+        stats = view.generate(prompt, chunks=CHUNKS, config=config).stats
+        assert stats.cache_hits == hits, view.namespace
+    assert b.generate(prompt, chunks=CHUNKS, config=config).stats.reused_tokens >= tokens["1"]
+    b.generate(prompt, chunks=CHUNKS, config=config, encode_missing=True)  # encodes CHUNKS[0]
+    assert b.store.contains(b.chunk_key(CHUNKS[0])) and not b.store.contains(b.chunk_key(CHUNKS[1]))
+    assert not public.store.contains(public.chunk_key(CHUNKS[0]))
+    assert a.chunk_key(CHUNKS[0]) != b.chunk_key(CHUNKS[0]) != engine.chunk_key(CHUNKS[0])
+    engine.close()

@@ -141,12 +141,14 @@ class TurboRAGEngine:
         built on it share one chunk registry; closing a view closes nothing."""
         key = (name, tuple(shared))
         root = getattr(self, "_root", self)
+        if key == (root.namespace, ()):
+            return root
+        others = tuple(root.namespaced(n) for n in shared if n != name)
         with root._views_lock:
             view = root._views.get(key)
             if view is None:
                 view = copy.copy(root)
                 view._root, view._owns_store = root, False
-                others = tuple(root.namespaced(n) for n in shared if n != name)
                 view._bind(root.store.namespace(name), others)
                 root._views[key] = view
         return view
