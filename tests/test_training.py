@@ -38,7 +38,9 @@ def test_training_forward_equals_stitched_inference(model_type, positions, ancho
     shift = len(anchor_ids)  # the layout shifts positions so no anchor copy is negative
     assert [ex.input_ids[i] for i in ex.prompt_index] == plan.token_ids
     assert [ex.position_ids[i] - shift for i in ex.prompt_index] == plan.positions
-    assert len(ex.input_ids[:ex.prompt_len]) == len(plan.token_ids) + len(CHUNKS) * shift
+    # an anchor copy before each chunk and each "\n\n" stitched between two of them
+    spans = len(CHUNKS) + len(CHUNKS) - 1
+    assert len(ex.input_ids[:ex.prompt_len]) == len(plan.token_ids) + spans * shift
     assert all(l == IGNORE for l in ex.labels[:ex.prompt_len])
     answer = loaded.tokenizer.decode([t for t in ex.labels if t != IGNORE])
     assert answer.startswith(A)
@@ -71,7 +73,9 @@ def test_doc_tokens_are_single_tokens_inside_chunks(tiny_llama):
     ids = add_doc_tokens(tok, tiny_llama.model)
     assert tiny_llama.model.get_input_embeddings().weight.shape[0] >= len(tok)
     ex = build_example(tok, Q, CHUNKS, A, doc_tokens=True)
-    for start, n, _ in ex.chunk_spans[1:]:  # [0] is the cached prefix
+    # [0] is the cached prefix, then chunk, separator, chunk, …
+    assert len(ex.chunk_spans) == 1 + 2 * len(CHUNKS) - 1
+    for start, n, _ in ex.chunk_spans[1::2]:
         assert ex.input_ids[start] == ids[0] and ex.input_ids[start + n - 1] == ids[1]
 
 

@@ -60,8 +60,9 @@ def test_stream_deltas_concatenate_to_text_and_stats_are_filled(engine):
     assert text == result.text
     s = result.stats
     assert s.cache_hits == 2 and s.cache_misses == 0
-    # the chunks, and the leading "Context:\n" cached as a prefix
-    assert s.reused_tokens == sum(len(c.encode()) for c in CHUNKS) + len("Context:\n")
+    # the chunks, the "\n" between them (a stock separator) and the leading "Context:\n"
+    # cached as a prefix
+    assert s.reused_tokens == sum(len(c.encode()) for c in CHUNKS) + len("\nContext:\n")
     assert s.prefilled_tokens == s.prompt_tokens - s.reused_tokens
     assert 0 < s.ttft_s and s.new_tokens == len(result.token_ids)
 

@@ -68,8 +68,10 @@ def test_engine_stitches_the_prompts_own_tokens_and_is_exact(tmp_path):
     assert (hits, misses) == (3, 0)
     plan = plan_prompt(segments, engine.tokenizer, fingerprint=engine.fingerprint)
     assert plan.token_ids == engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    # the head is cached plain, each "\n\n" between chunks (two tokens here) from its blob;
+    # one chunk's tail merged with the text after it
     assert plan.reused_tokens == sum(len(own(engine.tokenizer)(c)) for c in chunks) - 1 + \
-        len(own(engine.tokenizer)("Context:\n"))  # the head is cached plain; one tail merged
+        len(own(engine.tokenizer)("Context:\n")) + 2 * 2
     stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True)
     reference = reference_forward(loaded.model, plan)[plan.plain_index]
     torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
@@ -99,3 +101,23 @@ def test_a_blob_head_must_be_within_the_blob(tmp_path, n):
     assert blob.head(3).num_tokens == 3 and blob.head(3).base_position == blob.base_position
     with pytest.raises(ValueError, match="no head"):
         blob.head(n + blob.num_tokens if n else 0)
+
+
+def test_a_stock_separator_between_chunks_is_stitched_from_its_blob(tmp_path):
+    """Between two chunks, "\n\n" (in the whole prompt's tokens) comes from its stored blob, as
+    vLLM's connector must take it; elsewhere, and around other glue, text is prefilled."""
+    loaded = tiny_model("llama", merges=NEWLINES)
+    engine = TurboRAGEngine(loaded, store=tmp_path / "kv", anchor="none", encoder=None)
+    engine.encode_chunks(CHUNKS)
+    prompt = "Context:\n" + "\n\n".join(CHUNKS) + "\n\nQuestion: who?"
+    segments, hits, _ = engine.segments(prompt, CHUNKS)
+    cached = [s.text for s in segments if s.cached]
+    assert hits == 2 and cached == ["Context:\n", CHUNKS[0], "\n\n", CHUNKS[1]]
+    plan = plan_prompt(segments, engine.tokenizer, fingerprint=engine.fingerprint)
+    assert plan.token_ids == own(engine.tokenizer)(prompt)
+    stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True)
+    reference = reference_forward(loaded.model, plan)[plan.plain_index]
+    torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
+    other = "Context:\n" + CHUNKS[0] + "\n--\n" + CHUNKS[1] + "\nQ?"
+    assert [s.text for s in engine.segments(other, CHUNKS)[0] if s.cached] == [
+        "Context:\n", CHUNKS[0], CHUNKS[1]]

@@ -76,30 +76,21 @@ def main(model_dir: str, out_path: str) -> None:
     p_causal = HEAD + "".join(CHUNKS[2:]) + question("When is the market held?")
     ref = {"stitched": hf(p_stitched, CHUNKS[:3]), "deleted": hf(p_deleted, CHUNKS[1:4]),
            "corrupt": hf(p_corrupt, [CHUNKS[3], CHUNKS[0]])}
-    # separators: chunks joined by "\n\n", as LlamaIndex joins them; the HF engine is given the
-    # same stitching as segments (the stored separator blob between chunks)
-    from turborag_integrations.core.prefill.blob import chunk_key
-    from turborag_integrations.core.prefill.stitch import Segment
-
+    # separators: chunks joined by "\n\n", as LlamaIndex joins them: both engines stitch the
+    # separator between two chunks from its stored blob
     sep_chunks = SEPARATED
     engine.encode_chunks(sep_chunks)
     engine.encode_separators()  # as the connector does when it starts
     p_sep = HEAD + "\n\n".join(sep_chunks) + "\n\n" + question("Who discovered the comet, and when?")
-    sep_ids = engine.tokenizer("\n\n" + "x", add_special_tokens=False)["input_ids"][:-1]
-    sep_blob = engine.store.get(chunk_key(engine.fingerprint, sep_ids), engine.fingerprint)
-    segments = [Segment(HEAD, engine.prefix_blob(HEAD))]
-    for i, text in enumerate(sep_chunks):
-        if i:
-            segments.append(Segment("\n\n", sep_blob))
-        segments.append(Segment(text, engine.blob_for(text)))
-    segments.append(Segment(p_sep[len(HEAD) + len("\n\n".join(sep_chunks)):]))
-    sep_plan = plan_prompt(segments, engine.tokenizer)
+    sep_segments, _, _ = engine.segments(p_sep, sep_chunks)
+    sep_plan = plan_prompt(sep_segments, engine.tokenizer)
     ref["separated"] = {
         "ids": sep_plan.token_ids,
-        "turbo": engine.generate(segments, config=config).token_ids,
+        "turbo": engine.generate(p_sep, chunks=sep_chunks, config=config).token_ids,
         "same_ids": engine.tokenizer(p_sep, add_special_tokens=False)["input_ids"]
         == sep_plan.token_ids,
-        "separator_stored": sep_blob is not None}
+        "separator_stored": all(engine.store.contains(k) for k in engine.encode_separators())
+        and sum(s.cached and s.text == "\n\n" for s in sep_segments) == len(sep_chunks) - 1}
     # (i): the causal KV of a full prefill of all but the last token, as one plain blob
     causal_ids = engine.tokenizer(p_causal, add_special_tokens=False)["input_ids"]
     [causal_blob] = engine.prefix_encoder.encode_ids([causal_ids[:-1]])

@@ -28,7 +28,7 @@ from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
-from .prefill.segment import Piece, split_prompt, token_pieces, tokenize_with_starts
+from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
 from .prefill.separators import separator_ids
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
@@ -122,6 +122,7 @@ class TurboRAGEngine:
         self.cache_pool = CachePool()
         self._views: dict[tuple[str, tuple[str, ...]], TurboRAGEngine] = {}
         self._views_lock = threading.Lock()
+        self._separators: dict[tuple[int, ...], KVBlob] | None = None
         self._bind(root_store.namespace(namespace), ())
 
     def _bind(self, store: KVStore, shared: "tuple[TurboRAGEngine, ...]") -> None:
@@ -229,15 +230,15 @@ class TurboRAGEngine:
 
     def encode_separators(self) -> list[str]:
         """Store the stock separators between chunks ("\\n\\n", "\\n", …) encoded like chunks,
-        once per engine; returns their keys. This engine prefills separators with the question;
-        an engine that can only take a stored prefix (vLLM's connector, which calls this when it
-        starts) needs them stored to go on past the first chunk (core/prefill/separators.py)."""
+        once per engine; returns their keys. An engine that can only take a stored prefix
+        (vLLM's connector, which calls this when it starts) needs them stored to go on past the
+        first chunk (core/prefill/separators.py); this engine stitches them from memory."""
         if self._separator_keys is None:
-            runs = separator_ids(self.tokenizer)
-            keys = [self.store.key(self.fingerprint, r) for r in runs]
-            todo = [r for r, k in zip(runs, keys) if not self.store.contains(k)]
-            for blob in self.encoder.encode_ids(todo) if todo else []:
-                self.keep(blob)
+            keys = []
+            for ids, blob in self._separator_blobs().items():
+                keys.append(self.store.key(self.fingerprint, ids))
+                if not self.store.contains(keys[-1]):
+                    self.keep(blob)
             self._separator_keys = keys
         return self._separator_keys
 
@@ -389,14 +390,29 @@ class TurboRAGEngine:
                 # the chunk's tail may merge with the text after it: its leading tokens only
                 segments.append(Segment(piece.text, blob if piece.ids is None
                                         else blob.head(len(piece.ids))))
-            elif i == 0 and self.cache_prefix and any(p.chunk for p in pieces[1:]):
+            elif i == 0 and self.cache_prefix and any(p.chunk for p in pieces[1:]) \
+                    and not any(c in piece.text for c in chunks):
                 # The text before the first chunk (system prompt, template head) sees only
                 # itself, exactly like a chunk at position 0: caching it is exact, and it is the
-                # same for every query of an app.
+                # same for every query of an app (not so when it holds a retrieved chunk that
+                # has no blob: that text is prefilled with the question instead).
                 segments.append(Segment(piece.text, self.prefix_blob(piece.text, ids=piece.ids)))
             else:
-                segments.append(Segment(piece.text, ids=piece.ids))
+                separators = self._separator_blobs()
+                if is_separator(pieces, i, separators):  # "\n\n" between two chunks
+                    segments.append(Segment(piece.text, separators[tuple(piece.ids)]))
+                else:
+                    segments.append(Segment(piece.text, ids=piece.ids))
         return segments, len(found), len(chunks) - len(found)
+
+    def _separator_blobs(self) -> dict[tuple[int, ...], KVBlob]:
+        """The stock separators' blobs by their token ids, encoded like chunks once per model
+        (core/prefill/separators.py); kept in memory, the same for every namespace."""
+        root = getattr(self, "_root", self)
+        if root._separators is None:
+            runs = separator_ids(self.tokenizer)
+            root._separators = {tuple(r): b for r, b in zip(runs, self.encoder.encode_ids(runs))}
+        return root._separators
 
     # ---- generation -------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Segment], *, positions: str | None = None,

@@ -16,7 +16,9 @@ from typing import Sequence
 
 import torch
 
-from ..core.prefill.segment import Piece, split_prompt, token_pieces, tokenize_with_starts
+from ..core.prefill.segment import (Piece, is_separator, split_prompt, token_pieces,
+                                    tokenize_with_starts)
+from ..core.prefill.separators import separator_ids
 from ..core.prefill.stitch import Segment, independent_attention_mask, layout, plan_prompt
 from ..evaluation.prompt import DOC_END, DOC_START, build_prompt, render
 
@@ -87,9 +89,11 @@ def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
                   for text, is_chunk in split_prompt(prompt, chunk_texts)]
     else:
         pieces = token_pieces(prompt, *tokens, chunk_texts, own_ids)
+    separators = {tuple(run) for run in separator_ids(tokenizer)}
     segments = []
     for i, piece in enumerate(pieces):
-        is_chunk = piece.chunk is not None
+        # a stock separator between two chunks is encoded like a chunk (engine.segments)
+        is_chunk = piece.chunk is not None or is_separator(pieces, i, separators)
         cached = is_chunk or (i == 0 and cache_prefix and any(p.chunk for p in pieces[1:]))
         blob = _TokensOnly(piece.ids, anchor_len if is_chunk else 0, not is_chunk) \
             if cached else None

@@ -126,3 +126,12 @@ def token_pieces(prompt: str, prompt_ids: Sequence[int], starts: Sequence[int],
     if done < len(prompt_ids):
         pieces.append(Piece(prompt[char(done):], tuple(prompt_ids[done:])))
     return pieces
+
+
+def is_separator(pieces: Sequence[Piece], i: int, runs) -> bool:
+    """Whether plain piece i lies between two chunks and is one of `runs` (token-id tuples of
+    the stock separators, separators.separator_ids): stitched from its stored blob, like a
+    chunk, by every engine (vLLM's connector can take only a run of stored KV)."""
+    return (0 < i < len(pieces) - 1 and pieces[i].chunk is None
+            and pieces[i - 1].chunk is not None and pieces[i + 1].chunk is not None
+            and pieces[i].ids is not None and tuple(pieces[i].ids) in runs)
