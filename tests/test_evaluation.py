@@ -459,3 +459,25 @@ def test_eval_command_options(tmp_path, monkeypatch):
         assert summary["encoder"] == encoder
         assert (summary["modes"]["turbo"]["reply_kl"] is not None) == agreement
         assert "same reply as full %" in (out / "table.md").read_text()
+
+
+def test_reference_modes_bound_the_agreement(tmp_path):
+    """turbo-oracle stitches the full prefill's own KV: it must agree with the full prefill on
+    every item and every token (the stitched prompt is the full prompt's tokens); naive-rotated
+    is the same model over the same chunks in another order, compared by its reply only."""
+    engine = TurboRAGEngine(tiny_model("llama", merges=(("Ċ", "Ċ"),)), store=tmp_path / "kv")
+    p = tmp_path / "d.jsonl"
+    rows = [{"id": str(i), "question": q, "answers": ["x"],
+             "chunks": [f"Tamsin keeps {i} owls.", "Orrin sells kites.", "The bell rang."]}
+            for i, q in enumerate(["Who keeps owls?", "Who sells kites?", "What rang?"])]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    modes = ["naive", "naive-rotated", "turbo-oracle", "turbo"]
+    res = evaluate(engine, load_items(p).items, modes, max_new_tokens=6)
+    oracle, rotated = res["modes"]["turbo-oracle"], res["modes"]["naive-rotated"]
+    assert oracle["agreement"] == 100 and oracle["reply_top1"] == 100
+    assert oracle["reply_kl"] < 1e-6 and oracle["reused_fraction"] > 0.5
+    assert rotated["agreement"] is not None and rotated["reply_kl"] is None
+    assert res["modes"]["naive"]["agreement"] is None
+    for bad in ("naive-rotated+boundary:4", "ft:turbo-oracle", "turbo-oracle#none"):
+        with pytest.raises(ValueError, match="reference"):
+            ModeSpec.parse(bad)

@@ -35,11 +35,12 @@ def token_agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float
     return float(kl.mean()), 100.0 * float(top1.mean())
 
 
-def reply_logits(engine, prompt: str, reply_ids: Sequence[int], *, chunks: Iterable[str] = (),
+def reply_logits(engine, prompt, reply_ids: Sequence[int], *, chunks: Iterable[str] = (),
                  mode: str = "naive", positions: str | None = None,
                  recovery=None) -> torch.Tensor:
     """The next-token logits ([positions, vocab], float32, on the CPU) at each reply position,
-    the reply teacher-forced after `prompt` prefilled as `mode` would prefill it.
+    the reply teacher-forced after `prompt` (a text, or ready segments) prefilled as `mode`
+    would prefill it.
 
     Fewer rows than reply tokens only where the window has no room for the whole reply after
     this mode's prompt."""
@@ -47,7 +48,10 @@ def reply_logits(engine, prompt: str, reply_ids: Sequence[int], *, chunks: Itera
     n = len(reply_ids)
     if n == 0:
         raise ValueError("empty reply")
-    segments, _, _ = engine.segments(prompt, chunks if mode == "turbo" else (), mode=mode)
+    if isinstance(prompt, str):
+        segments, _, _ = engine.segments(prompt, chunks if mode == "turbo" else (), mode=mode)
+    else:  # ready segments
+        segments = list(prompt)
     pre = engine.prefill(segments, positions=positions, reserve=n + 1,
                          recovery=recovery if mode == "turbo" else None)
     try:

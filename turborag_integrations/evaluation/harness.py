@@ -29,7 +29,12 @@ other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head
 prompt's own head, known at ingestion here), with a chunk encoder other than the engine's
 ("turbo#none": training-free; "turbo#FILE": that learned encoder file; one full-prefill
 reference serves them all, since an encoder never changes the model), and every mode of a
-fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive").
+fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive"). Two references say what agreement
+can be: "naive-rotated" (a full prefill of the same chunks in another order, the first moved
+last: how much the model's reply moves with an order no retriever guarantees) and
+"turbo-oracle" (the stitched path fed slices of the full prefill's own cache: the reply of
+stitching itself, with exact keys and values; 100% agreement unless the stitched prompt differs
+from the full one).
 
 Every mode averages the same items: an item that does not fit the context window of one mode
 (the prompt's check before any generation, or a stitched prompt that tokenizes longer than the
@@ -115,6 +120,14 @@ class ModeSpec:
     recovery: str | None
     anchor: str | None = None  # None: the engine's own
     encoder: str | None = None  # None: the engine's own; "none" or an encoder file otherwise
+    # references: "rotated" (a full prefill of the prompt with its chunks in another order) and
+    # "oracle" (the stitched path fed slices of the full prefill's own cache)
+    reference: str | None = None
+
+    @property
+    def is_full_prefill(self) -> bool:
+        """The mode every other is compared with: a full prefill of the prompt as written."""
+        return self.mode == "naive" and self.reference is None
 
     @classmethod
     def parse(cls, name: str) -> "ModeSpec":
@@ -130,6 +143,12 @@ class ModeSpec:
         if anchor and anchor not in ANCHOR_MODES:
             raise ValueError(f"unknown anchor in mode {name!r}: use one of {ANCHOR_MODES}")
         base, _, rec = body.partition("+")
+        if base in REFERENCE_MODES:
+            if rec or anchor or encoder or ft:
+                raise ValueError(f"mode {name!r}: the reference modes {REFERENCE_MODES} take "
+                                 "no recovery, anchor, encoder or 'ft:'")
+            return cls(base, False, REFERENCE_MODES[base], "reordered", None,
+                       reference=base.partition("-")[2])
         if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
             raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
                              "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
@@ -143,6 +162,31 @@ class ModeSpec:
 
 
 ANCHOR_MODES = ("none", "bos", "chat", "head")
+# What agreement with the full prefill can be: the same model over the same chunks in another
+# order (the first moved last), and the stitched path over exact KV (slices of the full
+# prefill's cache: equal replies unless stitching changed the tokens or the arithmetic).
+REFERENCE_MODES = {"naive-rotated": "naive", "turbo-oracle": "turbo"}
+
+
+def oracle_segments(engine, prompt: str, chunks: Sequence[str]) -> list:
+    """The engine's segments of `prompt`, each stored blob (chunks, separators, the head)
+    replaced by the slice of a full causal prefill of the prompt at its place."""
+    from ..core.prefill.blob import KVBlob
+    from ..core.prefill.stitch import Segment, plan_prompt
+
+    segments, _, _ = engine.segments(prompt, chunks)
+    plan = plan_prompt(segments, engine.tokenizer)
+    [whole] = engine.prefix_encoder.encode_ids([plan.token_ids])
+    starts = iter(span.prompt_start for span in plan.spans)
+    out = []
+    for seg in segments:
+        if seg.cached:
+            a = next(starts)
+            n = seg.blob.num_tokens
+            seg = Segment(seg.text, KVBlob(whole.token_ids[a:a + n], whole.keys[:, :, a:a + n],
+                                           whole.values[:, :, a:a + n], whole.fingerprint, a))
+        out.append(seg)
+    return out
 
 
 def _sibling(engine, anchor: str | None, encoder: str | None, head: str):
@@ -184,7 +228,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     if len(set(names)) != len(names):
         raise ValueError(f"a mode is named twice in {names}")
     # the naive modes first, so every other mode can be compared with its own model's naive reply
-    specs.sort(key=lambda s: s.mode != "naive")
+    specs.sort(key=lambda s: not s.is_full_prefill)
     if any(s.finetuned for s in specs) and ft_engine is None:
         raise ValueError("ft: modes need a fine-tuned model (ft_engine)")
     items = list(items)[:limit] if limit else list(items)
@@ -231,6 +275,11 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             if it.id in skipped:  # did not fit an earlier mode: out of every mode
                 continue
             prompt, texts = prepared[spec.finetuned][it.id]
+            if spec.reference == "rotated":  # the same chunks, the first one moved last
+                prompt, texts = build_prompt(eng.tokenizer, it.question,
+                                             it.chunks[1:] + it.chunks[:1])
+            elif spec.reference == "oracle":
+                prompt = oracle_segments(eng, prompt, texts)
             try:
                 res = eng.generate(prompt, chunks=texts if spec.mode == "turbo" else (),
                                    config=config, mode=spec.mode, positions=spec.positions,
@@ -250,7 +299,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                    "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                    "new_tokens": st.new_tokens}
             key = (spec.finetuned, it.id)
-            if spec.mode == "naive":  # the reference: its agreement with itself says nothing
+            if spec.is_full_prefill:  # the reference: its agreement with itself says nothing
                 naive_reply[key] = normalize(text)
                 naive_correct[key] = correct
                 naive_ids[key] = list(res.token_ids) if text else []
@@ -282,12 +331,12 @@ def _token_agreement(specs, engines, items, skipped, prepared, rows_of, naive_id
     Item by item: the naive reference logits are computed once per item and model and serve
     every mode of that model (only one item's are held at a time)."""
     rows = {(r["mode"], r["id"]): r for rs in rows_of.values() for r in rs}
-    naive_spec = {s.finetuned: s for s in specs if s.mode == "naive"}
+    naive_spec = {s.finetuned: s for s in specs if s.is_full_prefill}
     for it in items:
         if it.id in skipped:
             continue
         for ft, ref_spec in naive_spec.items():
-            others = [s for s in specs if s.finetuned == ft and s.mode != "naive"
+            others = [s for s in specs if s.finetuned == ft and not s.is_full_prefill
                       and (s.name, it.id) in rows]
             ids = naive_ids.get((ft, it.id))
             if not others or ids is None:
@@ -299,7 +348,11 @@ def _token_agreement(specs, engines, items, skipped, prepared, rows_of, naive_id
             prompt, texts = prepared[ft][it.id]
             reference = reply_logits(engines[ref_spec], prompt, ids, mode="naive")
             for spec in others:
-                logits = reply_logits(engines[spec], prompt, ids, chunks=texts, mode=spec.mode,
+                if spec.reference == "rotated":
+                    continue  # another prompt: its reply is compared, not its distributions
+                own = oracle_segments(engines[spec], prompt, texts) \
+                    if spec.reference == "oracle" else prompt
+                logits = reply_logits(engines[spec], own, ids, chunks=texts, mode=spec.mode,
                                       positions=spec.positions, recovery=spec.recovery)
                 kl, top1 = token_agreement(reference, logits)
                 rows[spec.name, it.id].update(reply_kl=kl, reply_top1=top1)
