@@ -12,6 +12,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="TurboRAG: answer questions over documents with precomputed chunk KV caches.")
 models_app = typer.Typer(no_args_is_help=True, help="Bundled models.")
 app.add_typer(models_app, name="models")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys of tenants, for `turborag serve "
+                       "--keys FILE` (the file keeps only their hashes).")
+app.add_typer(keys_app, name="keys")
+KeysFileOpt = typer.Option(..., "--keys", help="the keys file (JSON; made by the first add)")
 
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
@@ -286,6 +290,9 @@ def serve(
                                           help="require `Authorization: Bearer KEY` on /v1/ "
                                           "(prefer the env var: a command line is visible to "
                                           "other users)"),
+    keys: Optional[Path] = typer.Option(None, "--keys", help="serve the tenants of this keys "
+                                        "file (`turborag keys add`): each key's requests see "
+                                        "only its tenant's chunks and blobs"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1,
                                           help="CPU threads for the model (default: one per "
                                           "core); workers sharing a machine should split its "
@@ -311,6 +318,9 @@ def serve(
         _fail("--max-body-bytes must be at least 1 byte")
     if api_key is not None and not api_key:
         _fail("--api-key is empty (is TURBORAG_API_KEY set to nothing?): give a key or none")
+    if api_key is not None and keys is not None:
+        _fail("give --api-key (one key, no tenants) or --keys (a file of tenants' keys), not "
+              "both")
     try:
         from .server.app import serve as run_server
     except ImportError as exc:
@@ -319,10 +329,59 @@ def serve(
         run_server(model=model, store=store, host=host, port=port, adapter=adapter,
                    encoder=encoder, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
-                   api_key=api_key, threads=threads,
+                   api_key=api_key, keys=keys, threads=threads,
                    question_last=question_last)
-    except TurboRAGError as exc:
+    except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
+
+
+@keys_app.command("add")
+def keys_add(tenant: str = typer.Argument(..., help="the tenant the key serves (letters, "
+                                          "digits, . _ -)"),
+             keys: Path = KeysFileOpt,
+             admin: bool = typer.Option(False, "--admin", help="the key may also read /metrics "
+                                        "(every tenant's figures)")):
+    """Make a new key for TENANT and print it: it is shown this once and stored only as a
+    hash."""
+    from .server.keys import KeyFile, KeyFileError
+
+    try:
+        record, key = KeyFile(keys, create=True).add(tenant, admin=admin)
+    except KeyFileError as exc:
+        _fail(str(exc))
+    typer.secho(f"{record.id} for tenant {record.tenant!r}{' (admin)' if admin else ''}; "
+                "the key, shown once:", err=True)
+    typer.echo(key)
+
+
+@keys_app.command("list")
+def keys_list(keys: Path = KeysFileOpt):
+    """The keys of the file: id, tenant, admin, made, revoked (never the keys themselves)."""
+    from .server.keys import KeyFile, KeyFileError
+
+    try:
+        records = KeyFile(keys).records()
+    except KeyFileError as exc:
+        _fail(str(exc))
+    for r in records:
+        typer.echo(f"{r.id}\t{r.tenant}\t{'admin' if r.admin else '-'}\t{r.created}\t"
+                   f"{'revoked ' + r.revoked if r.revoked else 'live'}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Optional[str] = typer.Argument(None, help="the key's id (k-…)"),
+                keys: Path = KeysFileOpt,
+                tenant: Optional[str] = typer.Option(None, help="revoke every key of this "
+                                                     "tenant instead")):
+    """Revoke a key (or all of a tenant's): a running server refuses it within a second."""
+    from .server.keys import KeyFile, KeyFileError
+
+    try:
+        revoked = KeyFile(keys).revoke(key_id=key_id, tenant=tenant)
+    except KeyFileError as exc:
+        _fail(str(exc))
+    for r in revoked:
+        typer.echo(f"revoked {r.id} ({r.tenant})")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -13,7 +13,8 @@ from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "adapter": "none", "encoder": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
-            "max_body_bytes": 8 * 2**20, "api_key": None, "threads": None, "question_last": False}
+            "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
+            "question_last": False}
 
 
 def test_serve_options_reach_the_server(monkeypatch):
@@ -43,7 +44,8 @@ def test_serve_refuses_bad_options(monkeypatch):
     for args, says in ((["--mode", "fast"], "--mode must be one of turbo, naive"),
                        (["--max-body-bytes", "lots"], "--max-body-bytes: not a size"),
                        (["--max-body-bytes", "0"], "at least 1 byte"),
-                       (["--api-key", ""], "--api-key is empty")):
+                       (["--api-key", ""], "--api-key is empty"),
+                       (["--api-key", "k", "--keys", "keys.json"], "not both")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
     for args in (["--max-batch", "0"], ["--max-queue", "0"], ["--threads", "0"]):

@@ -34,7 +34,8 @@ from ..core.engine import TurboRAGEngine
 from ..core.registry import ChunkRegistry
 from ..core.settings import MODES, check_choice
 from .finder import ChunkFinder
-from .guards import LimitBody, RequireKey
+from .guards import Authenticate, LimitBody
+from .keys import KeyFile
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import APIError, Reply
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
@@ -86,7 +87,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
                model_name: str | None = None, default_max_tokens: int | None = None,
                mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+               keys: KeyFile | None = None) -> FastAPI:
     """The server over `engine`.
 
     registry: where adapters in this process record chunk texts, followed by the server's
@@ -97,6 +99,9 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     that do not set `turborag_mode`. max_batch: requests decoded together. max_queue: requests
     that may wait for the model; more get a 429. max_body_bytes: larger bodies get a 413.
     api_key: when set, every /v1/ request must send `Authorization: Bearer <api_key>`.
+    keys: instead of one key, a keys file of tenants' keys (keys.py): each request works in its
+    tenant's namespace of the store and index (service.py), /metrics needs an admin key and
+    counts per tenant, and /health says only that the server is up.
 
     The app's `BatchScheduler` (`app.state.scheduler`) owns the model from now on and stops
     when the app shuts down: run nothing else on the engine meanwhile (`scheduler.call` runs a
@@ -109,14 +114,17 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
             raise ValueError(f"{name} must be at least 1, not {value}")
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: pass a key, or None to serve without one")
+    if api_key is not None and keys is not None:
+        raise ValueError("serve one API key or a keys file of tenants, not both")
     finder = ChunkFinder(registry if registry is not None else ChunkRegistry.for_engine(engine))
     scheduler = BatchScheduler(engine, max_batch=max_batch)
     metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
                       decode_steps=lambda: scheduler.steps, decode_rows=lambda: scheduler.rows,
-                      indexed_chunks=lambda: len(finder))
+                      indexed_chunks=lambda: service.indexed)
     service = Service(engine, finder, scheduler, metrics,
                       model_name=model_name or engine.loaded.name,
-                      default_max_tokens=default_max_tokens, mode=mode, max_queue=max_queue)
+                      default_max_tokens=default_max_tokens, mode=mode, max_queue=max_queue,
+                      tenants=keys is not None)
     started = int(time.time())
 
     @asynccontextmanager
@@ -130,9 +138,10 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     app.state.scheduler = scheduler
     # Outermost last: count every request, then check its key, then its size.
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
-    if api_key is not None:
-        app.add_middleware(RequireKey, api_key=api_key)
-    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
+    if api_key is not None or keys is not None:
+        app.add_middleware(Authenticate, api_key=api_key, keys=keys)
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS,
+                       tenants=keys is not None)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -175,10 +184,12 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
 
     @app.get("/health")
     async def health():
+        if keys is not None:  # open to anyone: nothing that moves with a tenant's use
+            return {"status": "ok"}
         return {"status": "ok", "model": service.model_name, "mode": service.mode,
                 "queue_depth": service.waiting, "max_queue": service.max_queue,
                 "in_flight": scheduler.in_flight, "max_batch": scheduler.max_batch,
-                "indexed_chunks": len(finder)}
+                "indexed_chunks": service.indexed}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -214,7 +225,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
           encoder: str | None = "default",
           mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-          threads: int | None = None, question_last: bool = False) -> None:
+          keys: str | Path | None = None, threads: int | None = None,
+          question_last: bool = False) -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -233,11 +245,12 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
             raise ValueError(f"threads must be at least 1, not {threads}")
         torch.set_num_threads(threads)  # before any thread that runs torch starts
     log.info("torch threads: %d", torch.get_num_threads())
+    key_file = KeyFile(keys) if keys is not None else None  # a missing file fails before loading
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
                                                    encoder=encoder,
                                                    question_last=question_last))
     with engine:
         app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
-                         max_body_bytes=max_body_bytes, api_key=api_key)
+                         max_body_bytes=max_body_bytes, api_key=api_key, keys=key_file)
         app.state.scheduler.call(engine.warmup).result()
         uvicorn.run(app, host=host, port=port, log_level="info")

@@ -3,8 +3,9 @@
 Both are ASGI middleware, so that a refused request costs neither a parse nor a read of its
 body, and both answer in OpenAI's error shape:
 
-- `RequireKey`: with a key set, every /v1/ request needs `Authorization: Bearer <key>` (401
-  otherwise). /health and /metrics stay open, for load balancers and scrapers.
+- `Authenticate`: with a key (or a keys file of tenants' keys, keys.py) set, every /v1/ request
+  needs `Authorization: Bearer <key>` (401 otherwise) and is tagged with its tenant. /health
+  stays open for load balancers; /metrics too, except with tenants, whose figures it holds.
 - `LimitBody`: a body over `max_bytes` is a 413, refused on its Content-Length header before a
   byte of it is read, or, sent without one (chunked), as soon as what has arrived exceeds it.
   A body within the limit is read whole here and handed on as one message.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 
+from .keys import KeyFile, Principal
 from .responses import APIError
 
 PROTECTED_PREFIX = "/v1/"
@@ -26,23 +28,54 @@ def _header(scope, name: bytes) -> bytes | None:
     return None
 
 
-class RequireKey:
-    def __init__(self, app, api_key: str):
-        if not api_key:
+class Authenticate:
+    """Who sends each request: with `api_key`, the one key of a server without tenants; with
+    `keys` (a `KeyFile`), the tenant of the key sent. The principal goes into the request's
+    state (`request.state.principal`) for the app, and into the metrics.
+
+    /v1/ paths need a key (401 otherwise, the same answer for a key never issued and a revoked
+    one). With a keys file, /metrics needs an admin key (403 for another tenant's key): its
+    figures are every tenant's. /health stays open, and says nothing about anyone's data.
+    """
+
+    def __init__(self, app, *, api_key: str | None = None, keys: KeyFile | None = None):
+        if (api_key is None) == (keys is None):
+            raise ValueError("authenticate with one API key or with a keys file")
+        if api_key is not None and not api_key:
             raise ValueError("the API key is empty: pass a key, or none to serve without one")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self._keys = keys
+
+    def _principal(self, given: bytes) -> Principal | None:
+        if self._expected is not None:
+            return Principal("", admin=True) if hmac.compare_digest(given, self._expected) \
+                else None
+        scheme, _, key = given.partition(b" ")
+        if scheme != b"Bearer" or not key:
+            return None
+        return self._keys.lookup(key.decode("latin-1"))
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        metrics = path == "/metrics" and self._keys is not None
+        if not (path.startswith(PROTECTED_PREFIX) or metrics):
             return await self.app(scope, receive, send)
         given = _header(scope, b"authorization")
-        if given is not None and hmac.compare_digest(given, self._expected):
+        principal = None if given is None else self._principal(given)
+        if principal is None:
+            message = ("no API key: send it as `Authorization: Bearer <key>` (api_key= in OpenAI "
+                       "clients)" if given is None else "the API key is not valid here")
+            error = APIError(401, message, code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})
+        elif metrics and not principal.admin:
+            error = APIError(403, "/metrics holds every tenant's figures: it needs an admin key "
+                             "(turborag keys add NAME --admin)", code="forbidden")
+        else:
+            scope.setdefault("state", {})["principal"] = principal
             return await self.app(scope, receive, send)
-        message = ("no API key: send it as `Authorization: Bearer <key>` (api_key= in OpenAI "
-                   "clients)" if given is None else "the API key is not this server's")
-        error = APIError(401, message, code="invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
 

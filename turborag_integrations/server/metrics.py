@@ -15,6 +15,12 @@ keeps its own figures (a process-wide registry would mix two apps in one process
     turborag_cache_hit_ratio                     hits / (hits + misses) so far (0 before any)
     turborag_prompt_tokens_total, turborag_reused_tokens_total, turborag_completion_tokens_total
     turborag_indexed_chunks                      chunk texts the server finds in prompts
+
+With tenants (a keys file), the same figures per tenant as well, for the admin who reads them:
+
+    turborag_tenant_requests_total{tenant,endpoint,status}, turborag_tenant_generations_total{
+    tenant,finish_reason}, turborag_tenant_{cache_hits,cache_misses,prompt_tokens,reused_tokens,
+    completion_tokens}_total{tenant}
 """
 
 from __future__ import annotations
@@ -123,6 +129,15 @@ class Metrics:
             ("prompt_tokens", "Prompt tokens of all generations."),
             ("reused_tokens", "Prompt tokens read from stored KV blobs instead of prefilled."),
             ("completion_tokens", "Tokens generated."))}
+        self.by_tenant = {
+            "requests": Counter("turborag_tenant_requests_total", "HTTP requests answered, by "
+                                "tenant (\"\" before one is known).",
+                                ("tenant", "endpoint", "status")),
+            "generations": Counter("turborag_tenant_generations_total", "Generations, by "
+                                   "tenant and how they ended.", ("tenant", "finish_reason")),
+            **{name: Counter(f"turborag_tenant_{name}_total", f"{c.help[:-1]}, by tenant.",
+                             ("tenant",)) for name, c in self.totals.items()}}
+        self.tenants = False  # whether any figure has a tenant (then the series above render)
         self.gauges = [
             Gauge("turborag_requests_in_flight", "Requests being answered now.",
                   lambda: self.in_flight),
@@ -148,15 +163,21 @@ class Metrics:
         with self._lock:
             self.in_flight += 1
 
-    def request_ended(self, endpoint: str, status: int) -> None:
+    def request_ended(self, endpoint: str, status: int, tenant: str | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
             self.requests.inc(endpoint, str(status))
+            if tenant is not None:
+                self.tenants = True
+                self.by_tenant["requests"].inc(tenant, endpoint, str(status))
 
-    def generation(self, stats: GenerationStats) -> None:
-        """Count one generation that has ended (however it ended)."""
+    def generation(self, stats: GenerationStats, tenant: str | None = None) -> None:
+        """Count one generation that has ended (however it ended), for `tenant` too if given."""
         with self._lock:
             self.generations.inc(stats.finish_reason or "unknown")
+            if tenant is not None:
+                self.tenants = True
+                self.by_tenant["generations"].inc(tenant, stats.finish_reason or "unknown")
             if stats.new_tokens:
                 self.ttft.observe(stats.ttft_s)
             if stats.new_tokens > 1:
@@ -167,11 +188,14 @@ class Metrics:
                                 ("reused_tokens", stats.reused_tokens),
                                 ("completion_tokens", stats.new_tokens)):
                 self.totals[name].inc(amount=value)
+                if tenant is not None:
+                    self.by_tenant[name].inc(tenant, amount=value)
 
     def render(self) -> str:
         with self._lock:
             metrics = [self.requests, *self.gauges, self.ttft, self.decode_rate,
-                       self.generations, *self.totals.values()]
+                       self.generations, *self.totals.values(),
+                       *(self.by_tenant.values() if self.tenants else ())]
             return "\n".join(line for m in metrics for line in m.lines()) + "\n"
 
 
@@ -182,10 +206,11 @@ class CountRequests:
     label value each). A stream counts when it ends.
     """
 
-    def __init__(self, app, metrics: Metrics, endpoints: Sequence[str]):
+    def __init__(self, app, metrics: Metrics, endpoints: Sequence[str], tenants: bool = False):
         self.app = app
         self.metrics = metrics
         self.endpoints = frozenset(endpoints)
+        self.tenants = tenants  # count per tenant too (the principal the app recognised)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -203,4 +228,8 @@ class CountRequests:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            self.metrics.request_ended(endpoint, status)
+            tenant = None
+            if self.tenants:  # set by the authentication inside; "" when it refused the key
+                principal = scope.get("state", {}).get("principal")
+                tenant = principal.tenant if principal is not None else ""
+            self.metrics.request_ended(endpoint, status, tenant)

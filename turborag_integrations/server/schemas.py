@@ -10,7 +10,37 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# vLLM's rules for a cache salt (vllm/entrypoints/generate/base/protocol.py), so that a salt a
+# client uses with this server is one vLLM takes too
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+
+
+def check_cache_salt(salt: str | None) -> str | None:
+    if salt is None:
+        return None
+    if not salt:
+        raise ValueError("cache_salt must be a non-empty string when it is given")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters "
+                         f"(got {len(salt)})")
+    if any(c in salt for c in CACHE_SALT_FORBIDDEN):
+        raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL")
+    return salt
+
+
+class Salted(BaseModel):
+    cache_salt: str | None = None
+    """Splits the caller's cache further, as vLLM's field of the same name splits its prefix
+    cache: blobs made or found for this request lie in the caller's namespace under this salt,
+    apart from those of every other salt (and of none). vLLM's rules apply."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, value: str | None) -> str | None:
+        return check_cache_salt(value)
 
 
 class StreamOptions(BaseModel):
@@ -19,7 +49,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionParams(BaseModel):
+class CompletionParams(Salted):
     """What both completion endpoints accept."""
 
     model_config = ConfigDict(extra="allow")
@@ -155,12 +185,15 @@ class CompletionRequest(CompletionParams):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class ChunksRequest(BaseModel):
+class ChunksRequest(Salted):
     """The body of POST /v1/turborag/chunks."""
 
     model_config = ConfigDict(extra="forbid")
 
     texts: list[str] = Field(min_length=1)
+    public: bool = False
+    """Ingest into the shared public namespace, which every caller's prompts reuse (and can
+    therefore detect), instead of the caller's own."""
     doc_id: str | None = None
     """A document the texts belong to: the store keeps their blobs while a document claims
     them (see `TurboRAGEngine.forget_document`)."""

@@ -28,6 +28,7 @@ from ..core.engine import TurboRAGEngine
 from ..core.settings import GenerationConfig
 from .finder import ChunkFinder
 from .jobs import Event, Job
+from .keys import Principal
 from .metrics import Metrics
 from .responses import APIError, EventStream, Reply, sse
 from .schemas import ChunksRequest, CompletionParams
@@ -36,6 +37,17 @@ log = logging.getLogger("turborag.server")
 
 # The status a request gets counted with when its client left before the answer (nginx's).
 CLIENT_GONE = 499
+# The namespace every caller's prompts also reuse, for texts ingested with "public": true. No
+# tenant name or cache salt can spell it (keys.TENANT, schemas.check_cache_salt).
+PUBLIC = "*public"
+NOBODY = Principal("")  # the caller on a server without keys
+
+
+def namespace_of(principal: Principal, salt: str | None, public: bool = False) -> str:
+    """Where a request's blobs lie: its tenant's namespace, split by its cache salt."""
+    if public:
+        return PUBLIC
+    return f"{principal.tenant}/{salt}" if salt else principal.tenant
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 
@@ -43,13 +55,20 @@ RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up pe
 class Service:
     def __init__(self, engine: TurboRAGEngine, finder: ChunkFinder, scheduler: BatchScheduler,
                  metrics: Metrics, *, model_name: str, default_max_tokens: int | None = None,
-                 mode: str = "turbo", max_queue: int = 64):
+                 mode: str = "turbo", max_queue: int = 64, tenants: bool = False):
         """default_max_tokens: the limit of a chat completion that sets none; None lets it run
         to the end of the context window, as OpenAI's chat models do. mode: "turbo" (reuse the
         chunks' blobs) or "naive" (prefill every prompt whole: the baseline to compare with),
-        for requests that do not set `turborag_mode`. max_queue: how many requests may wait."""
+        for requests that do not set `turborag_mode`. max_queue: how many requests may wait.
+        tenants: requests carry a tenant (a keys file): the metrics count per tenant too.
+
+        Each request works in its namespace (`namespace_of`): its tenant's, split by its cache
+        salt. The texts found in its prompt are looked up there and in the public namespace
+        only, its blobs come from those namespaces' stores, and what it encodes goes into its
+        own (core/store/namespaces.py)."""
         self.engine = engine
-        self.finder = finder
+        self.finders = {"": finder}  # the default namespace's follows in-process adapters
+        self.tenants = tenants
         self.scheduler = scheduler
         self.metrics = metrics
         self.model_name = model_name
@@ -95,14 +114,34 @@ class Service:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
+    @property
+    def indexed(self) -> int:
+        """Chunk texts indexed over every namespace."""
+        return sum(len(f) for f in list(self.finders.values()))
+
+    def finder(self, namespace: str) -> ChunkFinder:
+        """The index of a namespace's chunk texts (made on first use: by an ingestion, or by
+        a request that names chunks)."""
+        found = self.finders.get(namespace)
+        if found is None:
+            found = self.finders.setdefault(namespace, ChunkFinder())
+        return found
+
+    def view(self, namespace: str) -> TurboRAGEngine:
+        """The engine in `namespace`, reading the public namespace too."""
+        return self.engine.namespaced(namespace, shared=(PUBLIC,))
+
     async def complete(self, request: Request, req: CompletionParams, prompt: str,
                        reply: Reply) -> Response:
         """Answer `prompt`: a JSON body, or server-sent events when `req.stream`."""
         config = self.generation_config(req)
         mode = req.turborag_mode or self.mode
         named = list(dict.fromkeys(req.turborag_chunks or ())) if mode == "turbo" else []
+        principal = principal_of(request)
+        namespace = namespace_of(principal, req.cache_salt)
         with self._queued():
-            job = Job(lambda job: self._generate(job, prompt, named, config, mode, reply.id))
+            job = Job(lambda job: self._generate(job, prompt, named, config, mode, reply.id,
+                                                 namespace, principal))
             event = await job.next(request)
         if event is None:
             return Response(status_code=CLIENT_GONE)
@@ -133,16 +172,18 @@ class Service:
         yield sse("[DONE]")
 
     def _generate(self, job: Job, prompt: str, named: list[str], config: GenerationConfig,
-                  mode: str, label: str) -> None:
+                  mode: str, label: str, namespace: str, principal: Principal) -> None:
         """On the job's thread: find the chunks, then post the answer's deltas as the scheduler
         decodes them; stop when the job is cancelled."""
         chunks, lookup_s = [], 0.0
+        view = self.view(namespace)
         if mode == "turbo":
-            chunks, lookup_s = self.scheduler.call(lambda: self._chunks_in(prompt, named)).result()
+            chunks, lookup_s = self.scheduler.call(
+                lambda: self._chunks_in(prompt, named, view)).result()
         if job.cancelled.is_set():  # the client left during the lookup
             return
         stream = self.scheduler.submit(prompt, chunks=chunks, config=config, mode=mode,
-                                       cancelled=job.cancelled)
+                                       cancelled=job.cancelled, engine=view)
         try:
             for delta in stream:
                 if job.cancelled.is_set():
@@ -157,20 +198,27 @@ class Service:
                 if job.cancelled.is_set():  # the scheduler may have ended it first
                     result.stats.finish_reason = "cancelled"
                 result.stats.extra["chunk_lookup_s"] = lookup_s
-                self.metrics.generation(result.stats)
+                self.metrics.generation(result.stats,
+                                        tenant=principal.tenant if self.tenants else None)
                 log.info("%s: %s after %d tokens (%d of %d prompt tokens reused)", label,
                          result.stats.finish_reason, result.stats.new_tokens,
                          result.stats.reused_tokens, result.stats.prompt_tokens)
         job.post("done", result)
 
-    def _chunks_in(self, prompt: str, named: list[str]) -> tuple[list[str], float]:
-        """On the scheduler's thread: encode the named chunks that have no blob yet, then the
-        chunks to reuse (those found in the prompt, and the named ones) and the lookup's time."""
+    def _chunks_in(self, prompt: str, named: list[str],
+                   view: TurboRAGEngine) -> tuple[list[str], float]:
+        """On the scheduler's thread: encode the named chunks that have no blob yet (in the
+        request's namespace), then the chunks to reuse (those of its namespace and the public
+        one found in the prompt, and the named ones) and the lookup's time."""
         if named:
-            self.engine.prepare_chunks(named, warm=False)
-            self.finder.add(named)
+            view.prepare_chunks(named, warm=False)
+            self.finder(view.namespace).add(named)
         started = time.perf_counter()
-        found = self.finder.find(prompt)
+        found = []
+        for namespace in dict.fromkeys((view.namespace, PUBLIC)):
+            finder = self.finders.get(namespace)
+            if finder is not None:
+                found += finder.find(prompt)
         return list(dict.fromkeys([*found, *named])), time.perf_counter() - started
 
     # ---- ingestion -----------------------------------------------------------------------
@@ -178,6 +226,9 @@ class Service:
         """Encode and store the blobs of chunk texts, and index the texts for lookup."""
         if any(not text.strip() for text in req.texts):
             raise APIError(400, "every text must hold more than white space", param="texts")
+
+        namespace = namespace_of(principal_of(request), req.cache_salt, req.public)
+        view, finder = self.engine.namespaced(namespace), self.finder(namespace)
 
         def encode(job: Job) -> None:
             # One encoder batch per call: the requests in flight decode between two batches.
@@ -189,7 +240,7 @@ class Service:
                 texts = req.texts[start:start + step]
                 doc_ids = [req.doc_id] * len(texts) if req.doc_id else None
                 done = self.scheduler.call(lambda texts=texts, doc_ids=doc_ids: (
-                    self.engine.encode_chunks(texts, doc_ids=doc_ids), self.finder.add(texts)))
+                    view.encode_chunks(texts, doc_ids=doc_ids), finder.add(texts)))
                 part, added = done.result()
                 keys += part
                 indexed += added
@@ -203,4 +254,9 @@ class Service:
             return APIError.of(event[1]).response()
         done = event[1]
         return JSONResponse({"object": "list", "keys": done["keys"], "indexed": done["indexed"],
-                             "total_indexed": len(self.finder)})
+                             "total_indexed": len(finder)})
+
+
+def principal_of(request: Request) -> Principal:
+    """The caller the authentication middleware recognised (guards.Authenticate)."""
+    return request.scope.get("state", {}).get("principal", NOBODY)
