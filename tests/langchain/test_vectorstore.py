@@ -176,3 +176,20 @@ def test_from_documents_builds_chroma_and_encodes(engine, minilm, tmp_path):
     assert found.page_content == docs[1].page_content
     assert engine.store.contains(found.metadata[KV_KEY])
     assert docs[1].page_content in store.registry
+
+
+def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, minilm, tmp_path):
+    from turborag_integrations.langchain import KVCachingVectorStore, TurboRAGChatModel
+
+    docs = sample_paragraphs(4)
+    stores = {t: KVCachingVectorStore(engine=engine, embedding=minilm, namespace=t,
+                                      persist_directory=str(tmp_path / "chroma"))
+              for t in ("acme", "globex")}
+    stores["acme"].add_documents(docs[:2])
+    stores["globex"].add_documents(docs[2:])
+    found = stores["globex"].similarity_search(docs[0].page_content, k=4)
+    assert {d.page_content for d in found} == {d.page_content for d in docs[2:]}
+    a = TurboRAGChatModel(engine=engine, namespace="acme", max_tokens=2)
+    b = TurboRAGChatModel(engine=engine, namespace="globex", max_tokens=2)
+    assert a.invoke(prompt_for(docs[:2])).response_metadata["turborag"]["cache_hits"] == 2
+    assert b.invoke(prompt_for(docs[:2])).response_metadata["turborag"]["reused_tokens"] == 0

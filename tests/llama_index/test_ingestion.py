@@ -13,7 +13,7 @@ from llama_index.core.storage.docstore import SimpleDocumentStore
 from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry,
                                                KVCachingVectorStore, llm_text)
 
-from .conftest import DOCS
+from .conftest import DOCS, build_index, documents
 
 
 def test_add_stores_the_blob_of_the_text_the_llm_sees(index, kv_store, engine):
@@ -101,3 +101,28 @@ def _context(store):
     from llama_index.core import StorageContext
 
     return StorageContext.from_defaults(vector_store=store)
+
+
+def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, tmp_path,
+                                                                    embed_model):
+    """Two tenants (namespaces) share one engine and Chroma folder: each retrieves only its own
+    documents, and a prompt with the other's exact texts reuses nothing."""
+    from turborag_integrations.llama_index import TurboRAGLLM
+
+    stores = {t: KVCachingVectorStore(engine, path=tmp_path / "chroma", namespace=t)
+              for t in ("acme", "globex")}
+    docs = documents()
+    build_index(stores["acme"], embed_model, docs[:2])
+    index_b = build_index(stores["globex"], embed_model, docs[2:])
+    assert {n.ref_doc_id for n in stores["acme"].get_nodes()} == {"lighthouse", "ferry"}
+    assert {n.ref_doc_id for n in stores["globex"].get_nodes()} == {"kiln"}
+    llm_a, llm_b = TurboRAGLLM(engine, namespace="acme"), TurboRAGLLM(engine, namespace="globex")
+    texts = [llm_text(n) for n in stores["acme"].get_nodes()]
+    prompt = "Context:\n" + "\n\n".join(texts) + "\nQuestion: how high?"
+    llm_a.complete(prompt, max_tokens=2)
+    assert llm_a.last_stats["cache_hits"] == 2
+    llm_b.complete(prompt, max_tokens=2)
+    assert llm_b.last_stats["reused_tokens"] == 0
+    retrieved = index_b.as_retriever(similarity_top_k=3).retrieve("How high is the lighthouse?")
+    assert {n.node.ref_doc_id for n in retrieved} == {"kiln"}
+    assert engine.store.keys() == []  # nothing in the default namespace

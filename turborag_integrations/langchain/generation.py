@@ -113,6 +113,10 @@ class TurboRAGParams(SamplingParams):
     registry: ChunkRegistry | None = Field(default=None, exclude=True)
     """Where the vector store wrapper records document texts (None: the engine's own,
     `ChunkRegistry.for_engine`, shared by every adapter built on the engine)."""
+    namespace: str | None = None
+    """The store namespace (a tenant) to read and write blobs in: the engine's view
+    `engine.namespaced(namespace)`; give the vector store wrapper the same one. None: the
+    engine's own."""
     encode_missing: bool = False
     """Encode and store blobs for looked-for texts that have none yet (first use pays)."""
     check_fingerprint: bool = True
@@ -122,11 +126,12 @@ class TurboRAGParams(SamplingParams):
 
     # ---- engine ---------------------------------------------------------------------------
     def get_engine(self) -> TurboRAGEngine:
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model_name)
-        return self._engine
+        engine = self.engine
+        if engine is None:
+            if self._engine is None:
+                self._engine = shared_engine(self.model_name)
+            engine = self._engine
+        return engine if self.namespace is None else engine.namespaced(self.namespace)
 
     def get_registry(self) -> ChunkRegistry:
         if self.registry is not None:

@@ -27,6 +27,7 @@ from langchain_core.vectorstores import VectorStore
 from ..core.engine import TurboRAGEngine
 from ..core.registry import ChunkRegistry
 from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
+from ..core.store.namespaces import namespaced_collection
 from .generation import shared_engine
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class KVCachingVectorStore(VectorStore):
         chroma_client: or a chromadb client (`chromadb.HttpClient(...)`, ...) to keep it with.
         registry: where ingested and retrieved texts are recorded for the chat model (None:
             the engine's own, `ChunkRegistry.for_engine(engine)`).
+        namespace: the store namespace (a tenant) the blobs go into: the engine's view
+            `engine.namespaced(namespace)`, and a default Chroma collection of its own; give
+            the chat model the same one. None: the engine's own.
         check_fingerprint: refuse a store whose documents were encoded by another model.
         turborag_metadata: keep the `turborag_*` keys in returned documents' metadata. Off by
             default, so documents come back exactly as they were added.
@@ -89,8 +93,12 @@ class KVCachingVectorStore(VectorStore):
                  collection_name: str = "turborag", chroma_url: str | None = None,
                  chroma_client: Any = None, registry: ChunkRegistry | None = None,
                  check_fingerprint: bool = True, turborag_metadata: bool = False,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None,
+                 namespace: str | None = None):
         self.engine = engine if engine is not None else shared_engine(model)
+        if namespace is not None:
+            self.engine = self.engine.namespaced(namespace)
+            collection_name = namespaced_collection(collection_name, namespace)
         self.vectorstore = vectorstore if vectorstore is not None else _chroma(
             embedding, persist_directory, collection_name, chroma_url, chroma_client)
         self.registry = registry if registry is not None else ChunkRegistry.for_engine(

@@ -71,6 +71,9 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     encoder: Optional[str] = Field(default="default", description="learned chunk encoding: "
                                    "'default' (shipped for the bundled model), None, or a file; "
                                    "used when no engine is given")
+    namespace: Optional[str] = Field(default=None, description="the store namespace (a tenant) "
+                                     "blobs are read from and written to: the engine's view "
+                                     "engine.namespaced(namespace); None: the engine's own")
     check_fingerprint: bool = Field(default=True, description="raise FingerprintMismatch when "
                                     "the prompt holds chunks registered for another model")
 
@@ -90,7 +93,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                     positions=self.positions or "reordered",
                                     anchor=self.anchor, adapter=self.adapter,
                                     encoder=self.encoder)
-        self._bind(engine, registry)
+        self._bind(engine, registry, self.namespace)
         if self.context_window is None:
             self.context_window = engine.context_window
 

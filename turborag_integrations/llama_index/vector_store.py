@@ -24,6 +24,7 @@ from llama_index.core.vector_stores.types import (BasePydanticVectorStore, Metad
 
 from ..core.registry import ChunkRegistry
 from .nodes import KV_KEY_METADATA, hide_kv_key, llm_text
+from ..core.store.namespaces import namespaced_collection
 from .wiring import EngineBound, resolve_engine  # noqa: F401  (importable here as before)
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     Without `vector_store`, it wraps the Chroma collection `collection`: on the server at `url`
     if given, else embedded in `path` (see `chroma_vector_store`).
 
+    `namespace` (a tenant) puts the blobs in that namespace of the engine's store
+    (`engine.namespaced`) and, by default, the documents in a Chroma collection of its own; give
+    the LLM the same namespace.
+
     Each node gets metadata `turborag_kv_key` (its blob's key), excluded from LLM and embedding
     text so it never reaches a prompt or an embedding. The texts are registered, with the
     engine's fingerprint, in `registry` (None: that of a TurboRAGLLM given as `engine`, else the
@@ -80,16 +85,18 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     def __init__(self, engine=None, vector_store: BasePydanticVectorStore | None = None, *,
                  path: str | Path | None = None, url: str | None = None,
                  collection: str = DEFAULT_COLLECTION, registry: ChunkRegistry | None = None,
-                 **kwargs: Any):
+                 namespace: str | None = None, **kwargs: Any):
         if vector_store is not None and not isinstance(vector_store, BasePydanticVectorStore):
             raise TypeError("vector_store must be a llama_index BasePydanticVectorStore, got "
                             f"{type(vector_store).__name__}")
+        if namespace is not None:
+            collection = namespaced_collection(collection, namespace)
         inner = (vector_store if vector_store is not None
                  else chroma_vector_store(path, collection, url=url))
         super().__init__(stores_text=inner.stores_text,
                          is_embedding_query=inner.is_embedding_query, **kwargs)
         self._inner = inner
-        self._bind(engine, registry)
+        self._bind(engine, registry, namespace)
 
     @classmethod
     def class_name(cls) -> str:

@@ -28,12 +28,15 @@ class EngineBound:
     """The `engine` and `registry` of an adapter (its pydantic class declares the private
     attributes `_engine` and `_registry`)."""
 
-    def _bind(self, engine, registry: ChunkRegistry | None) -> None:
-        """Bind to `engine` (see `resolve_engine`) and to `registry`; None: the registry of a
-        TurboRAGLLM given as `engine`, else the engine's own."""
-        if registry is None:
+    def _bind(self, engine, registry: ChunkRegistry | None, namespace: str | None = None) -> None:
+        """Bind to `engine` (see `resolve_engine`; in `namespace`, its view of that store
+        namespace) and to `registry`; None: the registry of a TurboRAGLLM given as `engine`,
+        else the engine's own."""
+        if registry is None and namespace is None:
             registry = getattr(engine, "registry", None)
         self._engine = resolve_engine(engine)
+        if namespace is not None:
+            self._engine = self._engine.namespaced(namespace)
         self._registry = (registry if registry is not None
                           else ChunkRegistry.for_engine(self._engine))
 

@@ -54,3 +54,9 @@ def key_in_namespace(key: str, tag: str) -> bool:
     """Whether `key` ends with the namespace tag `tag` ("" : a default-namespace key)."""
     head, sep, tail = key.rpartition("-")
     return tail == tag if tag else not sep
+
+
+def namespaced_collection(collection: str, namespace: str) -> str:
+    """A vector collection name of a namespace's own ("" keeps `collection`): the adapters'
+    default Chroma collections, so that tenants never retrieve each other's documents."""
+    return f"{collection}-{namespace_tag(namespace)}" if namespace else collection
