@@ -126,7 +126,15 @@ def main(model_dir: str, out_path: str) -> None:
     sp = ref["separated"]
     results["separated"] = {**run(sp["ids"], "turborag"), "hf_turbo": sp["turbo"],
                             "same_ids": sp["same_ids"], "separator_stored": sp["separator_stored"]}
-    # chunks named by the client: one stored, one never ingested (ignored, and counted)
+    # tenants: the chunks ingested into tenant acme's namespace only; the same prompt as acme,
+    # as globex (whose namespace holds none of them), and with the default namespace's salt
+    engine.namespaced("acme").encode_chunks(CHUNKS[:3])
+    results["tenant_own"] = {**run(r["ids"], "turborag:acme"), "hf_turbo": r["turbo"],
+                             "hf_reused": r["reused"]}
+    results["tenant_other"] = {**run(r["ids"], "turborag:globex"), "hf_naive": r["naive"]}
+    # chunks named by the client: one stored (in the namespace of the request's salt), one
+    # never ingested (ignored, and counted)
+    engine.namespaced("/-named").encode_chunks(CHUNKS[:3])
     named = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, extra_args={"kv_transfer_params": {
         "turborag_chunks": [CHUNKS[0], "A chunk nobody ever ingested into this store."]}})
     out = llm.generate([{"prompt_token_ids": r["ids"], "cache_salt": "turborag-named"}], named,

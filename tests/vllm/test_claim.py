@@ -1,7 +1,7 @@
 """The claim planner: the prefix `[head][chunk]…[chunk]` that starts the prompt, nothing else."""
 
 from turborag_integrations.core.prefill.token_spans import SpanEntry, SpanMatch
-from turborag_integrations.vllm.claim import ClaimedSpan, plan_claim
+from turborag_integrations.vllm.claim import ClaimedSpan, plan_claim, salt_namespace
 
 
 def match(start, key, n, plain=False):
@@ -64,3 +64,15 @@ def test_a_gap_longer_than_a_separator_is_not_looked_up():
     plan_claim(PROMPT, [match(0, "a", 10), match(20, "b", 10)], no_head,
                lambda ids: asked.append(list(ids)) or "sep", max_separator=4)
     assert asked == []
+
+
+def test_the_salt_names_the_namespace():
+    assert salt_namespace("turborag", "turborag") == ""
+    assert salt_namespace("turborag:acme", "turborag") == "acme"
+    assert salt_namespace("turborag:acme:s1", "turborag") == "acme/s1"
+    # any other salt with the prefix: a namespace of its own, never a tenant's
+    assert salt_namespace("turborag-x", "turborag") == "/-x"
+    assert salt_namespace("turboragacme", "turborag") == "/acme" != salt_namespace(
+        "turborag:acme", "turborag")
+    assert salt_namespace(None, "turborag") is None
+    assert salt_namespace("plain", "turborag") is None

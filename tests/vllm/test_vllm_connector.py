@@ -117,3 +117,13 @@ def test_a_rope_that_cannot_be_re_rotated_switches_turborag_off_with_one_reason(
 def test_a_store_that_cannot_be_opened_switches_turborag_off(offline):
     assert not offline["bad_store"]["on"] and offline["bad_store"]["claim"] == [0, False]
     assert any("cannot be opened" in m for m in offline["log"])
+
+
+def test_a_tenant_claims_its_own_blobs_and_never_anothers(measured):
+    """Invariant 10 on vLLM: the salt names the namespace; blobs of another are never claimed,
+    and that request is vLLM's own causal prefill."""
+    own, other = measured[0]["tenant_own"], measured[0]["tenant_other"]
+    assert own["params"]["turborag"]["claimed_tokens"] == own["hf_reused"]
+    assert own["tokens"] == own["hf_turbo"]
+    assert other["params"]["turborag"]["claimed_tokens"] == 0
+    assert other["tokens"] == other["hf_naive"]

@@ -26,6 +26,7 @@ from starlette.responses import Response
 from ..core.batching import BatchScheduler, RequestCancelled
 from ..core.engine import TurboRAGEngine
 from ..core.settings import GenerationConfig
+from ..core.store.namespaces import PUBLIC, namespace_of
 from .finder import ChunkFinder
 from .jobs import Event, Job
 from .keys import Principal
@@ -37,17 +38,13 @@ log = logging.getLogger("turborag.server")
 
 # The status a request gets counted with when its client left before the answer (nginx's).
 CLIENT_GONE = 499
-# The namespace every caller's prompts also reuse, for texts ingested with "public": true. No
-# tenant name or cache salt can spell it (keys.TENANT, schemas.check_cache_salt).
-PUBLIC = "*public"
 NOBODY = Principal("")  # the caller on a server without keys
 
 
-def namespace_of(principal: Principal, salt: str | None, public: bool = False) -> str:
-    """Where a request's blobs lie: its tenant's namespace, split by its cache salt."""
-    if public:
-        return PUBLIC
-    return f"{principal.tenant}/{salt}" if salt else principal.tenant
+def request_namespace(principal: Principal, salt: str | None, public: bool = False) -> str:
+    """Where a request's blobs lie: its tenant's namespace, split by its cache salt; or the
+    public one, which every tenant's prompts also reuse."""
+    return PUBLIC if public else namespace_of(principal.tenant, salt)
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 
@@ -62,7 +59,7 @@ class Service:
         for requests that do not set `turborag_mode`. max_queue: how many requests may wait.
         tenants: requests carry a tenant (a keys file): the metrics count per tenant too.
 
-        Each request works in its namespace (`namespace_of`): its tenant's, split by its cache
+        Each request works in its namespace (`request_namespace`): its tenant's, split by its cache
         salt. The texts found in its prompt are looked up there and in the public namespace
         only, its blobs come from those namespaces' stores, and what it encodes goes into its
         own (core/store/namespaces.py)."""
@@ -138,7 +135,7 @@ class Service:
         mode = req.turborag_mode or self.mode
         named = list(dict.fromkeys(req.turborag_chunks or ())) if mode == "turbo" else []
         principal = principal_of(request)
-        namespace = namespace_of(principal, req.cache_salt)
+        namespace = request_namespace(principal, req.cache_salt)
         with self._queued():
             job = Job(lambda job: self._generate(job, prompt, named, config, mode, reply.id,
                                                  namespace, principal))
@@ -227,7 +224,7 @@ class Service:
         if any(not text.strip() for text in req.texts):
             raise APIError(400, "every text must hold more than white space", param="texts")
 
-        namespace = namespace_of(principal_of(request), req.cache_salt, req.public)
+        namespace = request_namespace(principal_of(request), req.cache_salt, req.public)
         view, finder = self.engine.namespaced(namespace), self.finder(namespace)
 
         def encode(job: Job) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..core.prefill.token_spans import SpanMatch
+from ..core.store.namespaces import namespace_of
 
 
 @dataclass(frozen=True)
@@ -87,3 +88,18 @@ def plan_claim(prompt_ids: Sequence[int], matches: Sequence[SpanMatch],
         spans.append(ClaimedSpan(match.entry.key, match.start, len(match.entry.token_ids), False))
         cursor = match.end
     return Claim(spans)
+
+
+def salt_namespace(salt: str | None, prefix: str) -> str | None:
+    """The namespace a request's `cache_salt` names, or None when it does not opt in.
+
+    `prefix` → the default namespace; `prefix:TENANT` → TENANT; `prefix:TENANT:SALT` →
+    TENANT/SALT (namespaces.namespace_of); any other salt that starts with `prefix` → the
+    default tenant split by the rest, so that no two salts share a namespace."""
+    if not salt or not salt.startswith(prefix):
+        return None
+    rest = salt[len(prefix):]
+    if not rest.startswith(":"):
+        return namespace_of("", rest)
+    tenant, _, split = rest[1:].partition(":")
+    return namespace_of(tenant, split)

@@ -22,12 +22,18 @@ the request's `cache_salt`. Stitched KV differs from a causal prefill of the sam
 must never serve a request that expects the causal one. The connector therefore claims only for
 requests whose `cache_salt` starts with the configured `salt_prefix` ("turborag" by default):
 their blocks are hashed apart from every plain request's, and a plain request never sees a
-stitched block.
+stitched block. The rest of the salt names the store namespace (a tenant) whose blobs the
+request may use (`salt_namespace`): "turborag" the default namespace, "turborag:TENANT" a
+tenant's, "turborag:TENANT:SALT" a tenant's cache split further, as `turborag serve` splits it;
+blobs of the public namespace too, unless "public" is false in the extra config. vLLM cannot tell
+who sent a salt: behind a gateway that sets it per tenant, or with salts as secret as vLLM asks
+them to be, no request reaches another tenant's blobs.
 
 Extra config keys: "store" (a store folder or a redis:// URL, as KVStore takes; required),
 "min_chunk_tokens" (shortest blob the finder indexes, default 8), "salt_prefix", "encoder" and
 "anchor" (as TurboRAGEngine takes them: the blobs' encoding must be the one they were made with),
-"refresh_s" (how often the scheduler looks for newly stored blobs, default 2), "store_dir" (the
+"refresh_s" (how often the scheduler looks for newly stored blobs, default 2), "public"
+(requests may also use blobs of the public namespace, default true), "store_dir" (the
 local disk tier in front of a redis:// store), "max_head_tokens" (longest prompt head the
 scheduler encodes itself when none is stored, default 512), "blob_dtype" (the dtype the blobs
 were encoded in, when it is not vLLM's: float32 blobs serve a bfloat16 worker, cast as they are
@@ -56,11 +62,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..core.prefill.anchor import DEFAULT_ANCHOR
-from ..core.prefill.blob import Fingerprint, chunk_key
+from ..core.prefill.blob import Fingerprint
 from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
+from ..core.prefill.token_spans import non_overlapping
 from ..core.store import KVStore
-from .claim import Claim, ClaimedSpan, plan_claim
+from ..core.store.namespaces import PUBLIC
+from .claim import Claim, ClaimedSpan, plan_claim, salt_namespace
 from .heads import rank_heads
 
 log = logging.getLogger("turborag.vllm")
@@ -76,6 +84,18 @@ class LoadRequest:
     spans: list[ClaimedSpan]
     first_token: int  # tokens before it are in vLLM's own prefix cache already
     block_ids: list[int]
+    namespaces: tuple[str, ...] = ("",)  # where the spans' blobs lie, looked up in order
+
+
+@dataclass
+class Space:
+    """The scheduler's view of one store namespace: its engine view and its span index."""
+
+    engine: Any
+    index: TokenSpanIndex
+    refreshed: float = 0.0
+
+
 
 
 @dataclass
@@ -137,10 +157,11 @@ class TurboRAGConnector(KVConnectorBase_V1):
             except Exception as exc:  # an unwritable folder, a refused connection
                 self._off(f"the store {extra['store']!r} cannot be opened: {exc}")
         self.chunk_fp = self.prefix_fp = None
+        self._public = bool(extra.get("public", True))
         if role == KVConnectorRole.SCHEDULER:
-            self._index = TokenSpanIndex(min_tokens=int(extra.get("min_chunk_tokens", 8)))
+            self._min_tokens = int(extra.get("min_chunk_tokens", 8))
+            self._spaces: dict[str, Space] = {}
             self._refresh_s = float(extra.get("refresh_s", 2.0))
-            self._refreshed = 0.0
             self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
             self._claims: dict[str, Claim] = {}
             self._named: dict[str, dict] = {}  # req_id -> counts of the chunks it named
@@ -164,30 +185,41 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._engine = _head_engine(model_config.model, blob_dtype, extra, self._store)
             self.chunk_fp = self._engine.fingerprint
             self.prefix_fp = self._engine.prefix_fingerprint
-            self._engine.encode_separators()
-            self._refresh(force=True)
+            self._space("")
         except Exception as exc:  # a model the HF engine cannot load, a store that fails
             self._off(f"the model's blobs cannot be indexed: {type(exc).__name__}: {exc}")
 
+    def _space(self, namespace: str) -> Space:
+        """A namespace's index, made (separators stored, blobs indexed) on first sight."""
+        space = self._spaces.get(namespace)
+        if space is None:
+            engine = self._engine.namespaced(namespace)
+            engine.encode_separators()
+            space = self._spaces[namespace] = Space(engine, TokenSpanIndex(self._min_tokens))
+            self._refresh(space, force=True)
+        return space
+
     # ---- scheduler side ---------------------------------------------------------------------
-    def _refresh(self, force: bool = False) -> None:
-        """Index blobs stored since the last look (other processes ingest into the store)."""
+    def _refresh(self, space: Space, force: bool = False) -> None:
+        """Index the blobs stored in a namespace since the last look (other processes ingest
+        into the store)."""
         now = time.monotonic()
-        if not force and now - self._refreshed < self._refresh_s:
+        if not force and now - space.refreshed < self._refresh_s:
             return
-        self._refreshed = now
+        space.refreshed = now
         wanted = {self.chunk_fp.id: False, self.prefix_fp.id: True}
+        store = space.engine.store
         new = []
         try:
-            keys = self._store.keys()
+            keys = store.keys()
         except Exception as exc:  # a remote tier gone: claim what is indexed, look again later
             log.warning("TurboRAG: the store cannot be listed: %s", exc)
             keys = []
         for key in keys:
-            if key in self._index:
+            if key in space.index:
                 continue
             try:
-                blob = self._store.get(key)
+                blob = store.get(key)
             except Exception as exc:  # a corrupt or foreign file is a miss, never a failure
                 log.debug("blob %s skipped: %s", key[:12], exc)
                 continue
@@ -196,27 +228,29 @@ class TurboRAGConnector(KVConnectorBase_V1):
             new.append(SpanEntry(key, tuple(blob.token_ids.tolist()),
                                  plain=wanted[blob.fingerprint.id]))
         if new:
-            self._index.add(new)
-            log.info("TurboRAG: %d blobs indexed (%d new)", len(self._index), len(new))
+            space.index.add(new)
+            log.info("TurboRAG: %d blobs indexed (%d new)", len(space.index), len(new))
 
-    def _head_key(self, ids) -> str | None:
-        """The stored head blob of `ids`, encoded now if missing and short enough: heads are few
-        (one per template and system prompt), so each is computed once, on first sight."""
+    def _head_key(self, space: Space, ids) -> str | None:
+        """The stored head blob of `ids` in a namespace, encoded now if missing and short
+        enough: heads are few (one per template and system prompt), so each is computed once,
+        on first sight."""
         ids = list(ids)
-        key = chunk_key(self.prefix_fp, ids)
-        if self._store.contains(key):
+        store = space.engine.store
+        key = store.key(self.prefix_fp, ids)
+        if store.contains(key):
             return key
         if len(ids) > self._max_head:
             return None
         try:
             [blob] = self._engine.prefix_encoder.encode_ids([ids])
-            self._store.put(blob, kind="prefix")
+            store.put(blob, kind="prefix")
         except Exception as exc:  # a full disk costs the reuse, never the request
             log.warning("TurboRAG: prompt head of %d tokens not stored: %s", len(ids), exc)
             return None
         return key
 
-    def _named_chunks(self, request) -> dict | None:
+    def _named_chunks(self, request, space: Space) -> dict | None:
         """Chunk texts the client names in `kv_transfer_params.turborag_chunks`: indexed now if
         stored (no wait for the next look at the store); the others are counted, not fatal."""
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -224,43 +258,57 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if not isinstance(texts, list):
             return None
         unknown = 0
+        store = space.engine.store
         for text in texts:
             try:
                 ids = self._engine.encoder.tokenize(text) if isinstance(text, str) else None
             except Exception:  # empty, or longer than the window
                 ids = None
-            key = chunk_key(self.chunk_fp, ids) if ids else None
-            if key is None or not self._store.contains(key):
+            key = store.key(self.chunk_fp, ids) if ids else None
+            if key is None or not store.contains(key):
                 unknown += 1
                 continue
-            if not self._index.add([SpanEntry(key, tuple(ids))]) and key not in self._index:
+            if not space.index.add([SpanEntry(key, tuple(ids))]) and key not in space.index:
                 unknown += 1  # shorter than min_chunk_tokens
         return {"named_chunks": len(texts), "unknown_chunks": unknown}
 
-    def _separator_key(self, ids) -> str | None:
-        key = chunk_key(self.chunk_fp, list(ids))
-        return key if self._store.contains(key) else None
+    def _separator_key(self, space: Space, ids) -> str | None:
+        key = space.engine.store.key(self.chunk_fp, list(ids))
+        return key if space.engine.store.contains(key) else None
+
+    def _namespaces(self, request) -> tuple[str, ...] | None:
+        """The namespaces whose blobs a request may use, its own first; None: not ours."""
+        namespace = salt_namespace(request.cache_salt, self._salt_prefix)
+        if namespace is None:
+            return None
+        return tuple(dict.fromkeys((namespace, PUBLIC) if self._public else (namespace,)))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if not self._enabled or not (request.cache_salt or "").startswith(self._salt_prefix):
+        namespaces = self._namespaces(request) if self._enabled else None
+        if namespaces is None:
             return 0, False
-        self._refresh()
-        named = self._named_chunks(request)
+        spaces = [self._space(n) for n in namespaces]
+        own = spaces[0]
+        for space in spaces:
+            self._refresh(space)
+        named = self._named_chunks(request, own)
         ids = list(request.prompt_token_ids or [])
         # a blob deleted since it was indexed ends the claim there (contains: one stat per span)
         matches = []
-        for match in self._index.find(ids):
-            if self._store.contains(match.entry.key):
-                matches.append(match)
-            else:
-                self._index.discard(match.entry.key)
-        claim = plan_claim(ids, matches, self._head_key, self._separator_key)
+        for space in spaces:
+            for match in space.index.find(ids):
+                if space.engine.store.contains(match.entry.key):
+                    matches.append(match)
+                else:
+                    space.index.discard(match.entry.key)
+        claim = plan_claim(ids, non_overlapping(matches), lambda i: self._head_key(own, i),
+                           lambda i: self._separator_key(own, i))
         self._claims[request.request_id] = claim
         if named is not None:
             self._named[request.request_id] = named
         if claim.end <= num_computed_tokens:
             return 0, False
-        self._pending[request.request_id] = (claim, num_computed_tokens)
+        self._pending[request.request_id] = (claim, num_computed_tokens, namespaces)
         return claim.end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -272,17 +320,18 @@ class TurboRAGConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             entry = self._pending.pop(new.req_id, None)
             if entry is not None:
-                claim, first = entry
+                claim, first, namespaces = entry
                 meta.loads.append(LoadRequest(new.req_id, claim.spans, first,
-                                              list(new.block_ids[0])))
+                                              list(new.block_ids[0]), namespaces))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             # a preempted request that resumes was matched again: its blocks are new
             if req_id in self._pending and req_id in cached.resumed_req_ids:
-                claim, first = self._pending.pop(req_id)
+                claim, first, namespaces = self._pending.pop(req_id)
                 block_ids = cached.new_block_ids[i]
                 if block_ids is not None:
-                    meta.loads.append(LoadRequest(req_id, claim.spans, first, list(block_ids[0])))
+                    meta.loads.append(LoadRequest(req_id, claim.spans, first, list(block_ids[0]),
+                                                  namespaces))
         return meta
 
     def request_finished(self, request, block_ids):
@@ -327,7 +376,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
             try:
                 if self._store is None:
                     raise RuntimeError("this worker could not open the store")
-                blob = self._store.get(span.key, fp)
+                # each namespace's store reads only its own keys: the first that holds it
+                blob = next((b for n in load.namespaces
+                             if (b := self._store.namespace(n).get(span.key, fp)) is not None),
+                            None)
             except Exception as exc:
                 log.warning("TurboRAG blob %s unreadable, vLLM recomputes it: %s",
                             span.key[:12], exc)

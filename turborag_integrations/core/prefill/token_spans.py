@@ -94,10 +94,15 @@ class TokenSpanIndex:
                     n = len(entry.token_ids)
                     if ids[start:start + n] == entry.token_ids:
                         found.append(SpanMatch(start, entry))
-        found.sort(key=lambda m: (m.start, -len(m.entry.token_ids)))
-        kept, end = [], 0
-        for match in found:
-            if match.start >= end:
-                kept.append(match)
-                end = match.end
-        return kept
+        return non_overlapping(found)
+
+
+def non_overlapping(found: Iterable[SpanMatch]) -> list[SpanMatch]:
+    """Matches in prompt order, none overlapping: the earlier wins, then the longer (the rule
+    of the text finder, segment.find_chunks). Also merges the finds of several indexes."""
+    kept, end = [], 0
+    for match in sorted(found, key=lambda m: (m.start, -len(m.entry.token_ids))):
+        if match.start >= end:
+            kept.append(match)
+            end = match.end
+    return kept

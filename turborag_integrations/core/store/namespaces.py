@@ -29,6 +29,15 @@ from ..prefill.blob import namespace_tag
 
 FOLDER = "namespaces"
 MAX_NAMESPACE_CHARS = 256
+# The namespace every tenant's prompts may also reuse (texts ingested as public). No tenant
+# name or cache salt can spell it: tenants are letters, digits, ".", "_" and "-", salts have
+# no "/" (vLLM's rule), so every other namespace is "tenant" or "tenant/salt".
+PUBLIC = "*public"
+
+
+def namespace_of(tenant: str, salt: str | None = None) -> str:
+    """The namespace of a tenant's requests, split by a cache salt."""
+    return f"{tenant}/{salt}" if salt else tenant
 
 
 def check_namespace(name: str) -> None:
