@@ -61,8 +61,10 @@ class GenerationConfig:
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be ≥ 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be ≥ 0 (0 = greedy)")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN too
+            raise ValueError("temperature must be a finite number ≥ 0 (0 = greedy)")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise ValueError("seed must fit in 64 bits (from -2**63 to 2**64 - 1)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:

@@ -48,6 +48,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/turborag/chunks", "
 MAX_BATCH = 8
 MAX_QUEUE = 64
 MAX_BODY_BYTES = 8 * 2**20  # 8 MiB: a 32K-token prompt is ≈128 KB; ingestion batches are larger
+BODY_TIMEOUT_S = 30.0  # to receive a whole body: 8 MiB at 2 Mbit/s
 
 
 def param_name(loc: tuple) -> str | None:
@@ -88,7 +89,7 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
                model_name: str | None = None, default_max_tokens: int | None = None,
                mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-               keys: KeyFile | None = None) -> FastAPI:
+               keys: KeyFile | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The server over `engine`.
 
     registry: where adapters in this process record chunk texts, followed by the server's
@@ -98,6 +99,7 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     "turbo", or "naive" to prefill every prompt whole (no reuse: the baseline), for requests
     that do not set `turborag_mode`. max_batch: requests decoded together. max_queue: requests
     that may wait for the model; more get a 429. max_body_bytes: larger bodies get a 413.
+    body_timeout_s: a body not received whole within it gets a 408.
     api_key: when set, every /v1/ request must send `Authorization: Bearer <api_key>`.
     keys: instead of one key, a keys file of tenants' keys (keys.py): each request works in its
     tenant's namespace of the store and index (service.py), /metrics needs an admin key and
@@ -137,7 +139,7 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     app.state.service = service
     app.state.scheduler = scheduler
     # Outermost last: count every request, then check its key, then its size.
-    app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    app.add_middleware(LimitBody, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key is not None or keys is not None:
         app.add_middleware(Authenticate, api_key=api_key, keys=keys)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS,

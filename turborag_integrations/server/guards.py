@@ -8,12 +8,16 @@ body, and both answer in OpenAI's error shape:
   stays open for load balancers; /metrics too, except with tenants, whose figures it holds.
 - `LimitBody`: a body over `max_bytes` is a 413, refused on its Content-Length header before a
   byte of it is read, or, sent without one (chunked), as soon as what has arrived exceeds it.
-  A body within the limit is read whole here and handed on as one message.
+  A body within the limit is read whole here and handed on as one message; one that has not
+  arrived whole within `timeout_s` is a 408 (a client that dribbles it holds its connection,
+  not the server).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 from .keys import KeyFile, Principal
 from .responses import APIError
@@ -80,11 +84,14 @@ class Authenticate:
 
 
 class LimitBody:
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None):
         if max_bytes < 1:
             raise ValueError("max_bytes must be ≥ 1")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError("the body timeout must be a positive number of seconds")
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _too_large(self) -> APIError:
         # Connection: close, because the rest of the body is not read.
@@ -105,8 +112,17 @@ class LimitBody:
             return await error.response()(scope, receive, send)
 
         parts, size = [], 0
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await (receive() if deadline is None else asyncio.wait_for(
+                    receive(), max(deadline - time.monotonic(), 0)))
+            except asyncio.TimeoutError:
+                # a client that dribbles its body (slow loris) holds a connection, nothing more
+                error = APIError(408, f"the request body did not arrive within "
+                                 f"{self.timeout_s:g} s", code="request_timeout",
+                                 headers={"Connection": "close"})
+                return await error.response()(scope, receive, send)
             if message["type"] != "http.request":  # the client left: the app hears it
                 first = message
                 break

@@ -24,6 +24,11 @@ STATS_FIELD = "turborag"
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """What an error message echoes of a client's value: its start, never megabytes of it."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
 

@@ -31,7 +31,30 @@ def check_cache_salt(salt: str | None) -> str | None:
     return salt
 
 
-class Salted(BaseModel):
+def _valid_unicode(value: Any) -> Any:
+    """Refuse a text that UTF-8 cannot encode (an unpaired surrogate, which JSON's \\ud800
+    escapes can carry): no tokenizer takes it."""
+    texts = [value] if isinstance(value, str) else value if isinstance(value, list) else ()
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"holds an unpaired surrogate ({text[exc.start]!r} at "
+                                 f"character {exc.start}): send valid Unicode") from None
+    return value
+
+
+class Body(BaseModel):
+    """Every field's text must be valid Unicode."""
+
+    @field_validator("*")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        return _valid_unicode(value)
+
+
+class Salted(Body):
     cache_salt: str | None = None
     """Splits the caller's cache further, as vLLM's field of the same name splits its prefix
     cache: blobs made or found for this request lie in the caller's namespace under this salt,
@@ -97,14 +120,14 @@ class CompletionParams(Salted):
         return None
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]

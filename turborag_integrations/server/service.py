@@ -31,7 +31,7 @@ from .finder import ChunkFinder
 from .jobs import Event, Job
 from .keys import Principal
 from .metrics import Metrics
-from .responses import APIError, EventStream, Reply, sse
+from .responses import APIError, EventStream, Reply, clip, sse
 from .schemas import ChunksRequest, CompletionParams
 
 log = logging.getLogger("turborag.server")
@@ -92,8 +92,8 @@ class Service:
     def check(self, req: CompletionParams) -> None:
         """Raise APIError for a request this server cannot answer as asked."""
         if req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist here: this server runs "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(404, f"the model {clip(req.model)!r} does not exist here: this server "
+                           f"runs {self.model_name!r}", param="model", code="model_not_found")
         refusal = req.refusal()
         if refusal is not None:
             param, message = refusal
