@@ -24,11 +24,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TOPICS = ["lighthouse", "ferry", "kiln", "furnace", "glacier", "harbour", "orchard", "library"]
@@ -91,6 +95,28 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str,
         time.sleep(1)
     proc.terminate()
     raise SystemExit(f"{what} did not answer /health within {timeout:.0f} s")
+
+
+def start_vllm(python: Path, model_dir: str, config: dict | None, dtype: str = "float32",
+               model: str = "smollm2-135m-instruct") -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server (`config`: the TurboRAG connector's kv-transfer config; None: vLLM
+    alone) on a free loopback port, once it answers /health; served as `model`."""
+    from turborag_integrations.vllm.launch import cpu_environment, server_argv
+
+    port = free_port()
+    extra = ["--max-model-len", "4096", "--max-num-seqs", "8", "--disable-log-stats"]
+    argv = server_argv(python, model_dir, config or {}, host="127.0.0.1", port=port,
+                       dtype=dtype, served_name=model, extra=extra)
+    if config is None:  # vLLM alone: no connector
+        i = argv.index("--kv-transfer-config")
+        del argv[i:i + 2]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**cpu_environment(), "HF_HUB_OFFLINE": "1",
+                                 "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 900, "vLLM", lambda: Path(log.name).read_text()[-3000:])
+    return proc, url
 
 
 def one_request(client: httpx.Client, url: str, model: str, chunks: list[str], question: str,

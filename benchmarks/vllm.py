@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,8 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import QUESTIONS, make_chunks  # noqa: E402
-from load import (free_port, one_request, percentile, start_worker,  # noqa: E402
-                  wait_healthy)
+from load import one_request, percentile, start_vllm, start_worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "Answer from the context."  # load.one_request's system message
@@ -76,26 +74,6 @@ def fill_store(engine, prompts, join: str) -> int:
                                     + "\n\n" + question}])
     engine.prefix_blob(rendered[:rendered.index(chunks[0])])
     return len(engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
-
-
-def start_vllm(python: Path, model_dir: str, config: dict | None,
-               dtype: str = "float32") -> tuple[subprocess.Popen, str]:
-    from turborag_integrations.vllm.launch import cpu_environment, server_argv
-
-    port = free_port()
-    extra = ["--max-model-len", "4096", "--max-num-seqs", "8", "--disable-log-stats"]
-    argv = server_argv(python, model_dir, config or {}, host="127.0.0.1", port=port,
-                       dtype=dtype, served_name=MODEL, extra=extra)
-    if config is None:  # vLLM alone: no connector
-        i = argv.index("--kv-transfer-config")
-        del argv[i:i + 2]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**cpu_environment(), "HF_HUB_OFFLINE": "1",
-                                 "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, 900, "vLLM", lambda: Path(log.name).read_text()[-3000:])
-    return proc, url
 
 
 def claimed_tokens(url: str, prompt, salt: str, join: str) -> int | None:

@@ -87,3 +87,13 @@ def test_bundled_encoder_is_loaded_by_default_and_never_changes_a_full_prefill(s
     with_enc.encode_chunks([LIGHTHOUSE])
     turbo = with_enc.generate(prompt, chunks=[LIGHTHOUSE], config=config)
     assert turbo.stats.cache_hits == 1 and turbo.stats.reused_tokens > 30
+    # the same weights loaded from a folder (as vLLM's connector loads them) get the same
+    # encoder, found by the weights it was trained for: their blobs are the same blobs
+    from dataclasses import replace
+
+    from turborag_integrations.core.models import LoadedModel
+
+    as_folder = TurboRAGEngine(replace(smollm2, name="/some/folder/of/it"),
+                               store=tmp_path / "kv")
+    assert isinstance(smollm2, LoadedModel) and as_folder.learned is not None
+    assert as_folder.fingerprint.id == with_enc.fingerprint.id

@@ -22,7 +22,7 @@ from .decode.selfspec import DraftStats
 from .errors import EmptyChunkError
 from .models import LoadedModel, load_model
 from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
-from .prefill.blob import ChunkEncoder, Fingerprint, KVBlob, chunk_key, fingerprint_model
+from .prefill.blob import ChunkEncoder, Fingerprint, KVBlob, fingerprint_model
 from .prefill.cache import CachePool
 from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
@@ -105,7 +105,7 @@ class TurboRAGEngine:
             log.info("adapter %s merged: chunks are encoded training-free (encoder=None)",
                      self.adapter.name)
             encoder = None
-        self.learned = resolve_encoder(encoder, self.loaded.name)
+        self.learned = resolve_encoder(encoder, self.loaded.name, model_fp.weights)
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor)
         self.encoder = ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size,

@@ -238,16 +238,28 @@ def new_lora(model, rank: int, targets=LORA_TARGETS, *, seed: int = 0,
     return out
 
 
-def resolve_encoder(spec, model_name: str) -> LearnedEncoding | None:
+def resolve_encoder(spec, model_name: str, weights: str | None = None) -> LearnedEncoding | None:
     """`encoder=` of the engine: None / "none" (training-free encoding), "default" (the file
-    shipped for a bundled model, if any), a path, or a LearnedEncoding."""
+    shipped for a bundled model, if any), a path, or a LearnedEncoding.
+
+    "default" finds a bundled model's file by its name, or, for a model loaded from a folder
+    (vLLM's connector loads the bundled model's converted folder), by the `weights` digest the
+    file was trained for: the same weights get the same encoder however they were loaded."""
     if spec is None or spec == "none":
         return None
     if isinstance(spec, LearnedEncoding):
         return spec
     if spec == "default":
         path = bundled_encoder(model_name)
-        return LearnedEncoding.load(path) if path is not None else None
+        if path is not None:
+            return LearnedEncoding.load(path)
+        if weights is not None:
+            for name in BUNDLED:
+                path = bundled_encoder(name)
+                found = LearnedEncoding.load(path) if path is not None else None
+                if found is not None and found.base_weights == weights:
+                    return found
+        return None
     path = Path(spec)
     if not path.exists():
         named = bundled_encoder(str(spec))
