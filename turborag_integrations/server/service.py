@@ -38,6 +38,8 @@ log = logging.getLogger("turborag.server")
 
 # The status a request gets counted with when its client left before the answer (nginx's).
 CLIENT_GONE = 499
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 NOBODY = Principal("")  # the caller on a server without keys
 
 
@@ -45,8 +47,6 @@ def request_namespace(principal: Principal, salt: str | None, public: bool = Fal
     """Where a request's blobs lie: its tenant's namespace, split by its cache salt; or the
     public one, which every tenant's prompts also reuse."""
     return PUBLIC if public else namespace_of(principal.tenant, salt)
-OPENAI_DEFAULT_TEMPERATURE = 1.0
-RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 
 
 class Service:
