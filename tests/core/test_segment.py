@@ -121,3 +121,13 @@ def test_a_stock_separator_between_chunks_is_stitched_from_its_blob(tmp_path):
     other = "Context:\n" + CHUNKS[0] + "\n--\n" + CHUNKS[1] + "\nQ?"
     assert [s.text for s in engine.segments(other, CHUNKS)[0] if s.cached] == [
         "Context:\n", CHUNKS[0], CHUNKS[1]]
+
+
+def test_separators_can_be_prefilled_instead(tmp_path):
+    engine = TurboRAGEngine(tiny_model("llama", merges=NEWLINES), store=tmp_path / "kv",
+                            anchor="none", encoder=None, separators=False)
+    engine.encode_chunks(CHUNKS)
+    prompt = "Context:\n" + "\n\n".join(CHUNKS) + "\n\nQuestion: who?"
+    segments, _, _ = engine.segments(prompt, CHUNKS)
+    assert [s.text for s in segments if s.cached] == ["Context:\n", *CHUNKS]
+    assert engine.namespaced("a").stitch_separators is False

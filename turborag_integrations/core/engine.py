@@ -48,7 +48,7 @@ class TurboRAGEngine:
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  adapter: str | Path | None = None, question_last: bool = False,
                  encoder: "str | Path | LearnedEncoding | None" = "default",
-                 namespace: str = ""):
+                 namespace: str = "", separators: bool = True):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -71,6 +71,11 @@ class TurboRAGEngine:
         "" (the default) is the single namespace of a store without tenants. One engine serves
         several: `engine.namespaced(name)` (core/store/namespaces.py).
 
+        separators: stitch a stock separator between two chunks ("\n\n") from its stored
+        blob, as vLLM's connector must (a claim is a run of stored KV), so that both engines
+        stitch a prompt alike; False prefills it with the rest of the prompt, attending to the
+        chunks before it.
+
         question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
         Context: … Answer:") in front of the user's text before them, so that the question is read
         after the chunks, as stitching needs (core/prefill/reorder.py). Off by default: it
@@ -90,6 +95,7 @@ class TurboRAGEngine:
             apply_adapter(self.model, self.adapter)
         self.positions = positions
         self.question_last = bool(question_last)
+        self.stitch_separators = bool(separators)
         self.user_opener = user_turn_opener(self.tokenizer)
         self.cache_prefix = cache_prefix
         self.prefetch = prefetch
@@ -398,7 +404,7 @@ class TurboRAGEngine:
                 # has no blob: that text is prefilled with the question instead).
                 segments.append(Segment(piece.text, self.prefix_blob(piece.text, ids=piece.ids)))
             else:
-                separators = self._separator_blobs()
+                separators = self._separator_blobs() if self.stitch_separators else {}
                 if is_separator(pieces, i, separators):  # "\n\n" between two chunks
                     segments.append(Segment(piece.text, separators[tuple(piece.ids)]))
                 else:
