@@ -14,7 +14,8 @@ if [ "${1:-}" = "vllm" ]; then
   .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   # the connector needs the package's core only: no frameworks, no vector store
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
-  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0" "gguf>=0.10" "accelerate>=1.0"
+  # redis: a "store" of redis:// (a Redis tier shared by several vLLM instances)
+  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0" "gguf>=0.10" "accelerate>=1.0" "redis>=5"
   exit 0
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv

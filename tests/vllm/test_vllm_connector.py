@@ -127,3 +127,33 @@ def test_a_tenant_claims_its_own_blobs_and_never_anothers(measured):
     assert own["tokens"] == own["hf_turbo"]
     assert other["params"]["turborag"]["claimed_tokens"] == 0
     assert other["tokens"] == other["hf_naive"]
+
+
+@pytest.fixture(scope="module")
+def through_redis(tmp_path_factory):
+    require_vllm()
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    from tests.core.store.test_redis_tier import RedisServer
+    from turborag_integrations.core.models import prepare_bundled
+
+    model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
+    tmp = tmp_path_factory.mktemp("vllm-redis")
+    with RedisServer(tmp / "redis") as server:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "redis_store.py"),
+                               str(model_dir), server.url, str(tmp / "out.json")],
+                              capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_blobs_ingested_elsewhere_reach_vllm_through_redis(through_redis):
+    """The connector's store is a redis:// URL and its own disk tier starts empty: the blobs
+    another process ingested are claimed through Redis, and the answer is the HF engine's."""
+    case = through_redis
+    assert all(case["chunk_keys_in_redis"])
+    assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
+    assert case["tokens"] == case["hf_turbo"]
