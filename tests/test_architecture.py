@@ -22,7 +22,7 @@ PACKAGE = "turborag_integrations"
 # it; siblings named on one line may not import each other.
 CORE = f"{PACKAGE}.core"
 GROUPS = {
-    "foundation": [f"{CORE}.settings", f"{CORE}.errors", f"{CORE}.compat", f"{CORE}.tensorfile",
+    "foundation": [f"{CORE}.settings", f"{CORE}.errors", f"{CORE}.environment", f"{CORE}.tensorfile",
                    f"{CORE}.transformers_api"],
     "attention": [f"{CORE}.attention"],
     "prefill": [f"{CORE}.prefill"],
@@ -200,24 +200,52 @@ def test_every_module_imports_on_its_own():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("old, new", [("stitch", "prefill.stitch"), ("selfspec", "decode.selfspec")])
-def test_old_module_paths_still_import(old, new):
-    import importlib
+def _is_shim(path: Path) -> bool:
+    """A module whose body is only imports (and `__all__`): a name kept alive for old callers."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    rest = [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+            and not (isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets]
+                     == ["__all__"])]
+    return bool(rest) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in rest)
 
-    with pytest.warns(DeprecationWarning, match="moved to"):
-        moved = importlib.import_module(f"{CORE}.{old}")
-    assert moved is importlib.import_module(f"{CORE}.{new}")
+
+def test_no_compat_module_and_no_re_export_shims():
+    """The package has one name for each module: no import hook serving old module paths, and
+    no module that only re-exports another (packages' __init__ files gather their public API)."""
+    package = ROOT / PACKAGE
+    assert not list(package.rglob("compat.py"))
+    shims = [str(p.relative_to(ROOT)) for p in package.rglob("*.py")
+             if p.name != "__init__.py" and _is_shim(p)]
+    assert shims == []
+    proc = subprocess.run([sys.executable, "-c", f"import {CORE}.stitch"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert "ModuleNotFoundError" in proc.stderr
 
 
-def test_old_generate_module_keeps_its_names():
-    import importlib
+# Modules that may read os.environ: the one that reads every variable the package knows, and
+# vLLM's launcher, which hands its environment on to the server it starts.
+ENVIRONMENT_READERS = {f"{PACKAGE}/core/environment.py", f"{PACKAGE}/vllm/launch.py"}
 
-    from turborag_integrations.core.decode.sampling import warp_logits
-    from turborag_integrations.core.run import GenerationStats
-    from turborag_integrations.core.settings import GenerationConfig
 
-    sys.modules.pop(f"{CORE}.generate", None)
-    with pytest.warns(DeprecationWarning):
-        old = importlib.import_module(f"{CORE}.generate")
-    assert (old.GenerationConfig, old.GenerationStats, old.warp_logits) == (
-        GenerationConfig, GenerationStats, warp_logits)
+def _reads_environment(path: Path) -> list[int]:
+    """Lines where the module reads the process environment (os.environ, os.getenv)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb") \
+                and isinstance(node.value, ast.Name) and node.value.id == "os":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" \
+                and any(a.name in ("environ", "getenv") for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_environment_is_read_in_one_place():
+    """core/environment.py reads every variable; objects take settings as arguments."""
+    readers = {str(p.relative_to(ROOT)): _reads_environment(p)
+               for p in (ROOT / PACKAGE).rglob("*.py")}
+    assert {p: lines for p, lines in readers.items()
+            if lines and p not in ENVIRONMENT_READERS} == {}
+    assert readers[f"{PACKAGE}/core/environment.py"]  # and the check sees a read

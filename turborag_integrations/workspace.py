@@ -25,13 +25,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+from .core import environment
 from .core.retrieval.chroma import chroma_client
 from .core.retrieval.chunking import split_text
 from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
 from .core.engine import GenerationStream, TurboRAGEngine
 from .core.errors import TurboRAGError
 from .core.settings import GenerationConfig
-from .core.models import DEFAULT_MODEL, cache_dir
+from .core.models import DEFAULT_MODEL
 from .core.store import KVStore, default_store_path
 
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst"}
@@ -47,8 +48,7 @@ class WorkspaceError(TurboRAGError):
 
 
 def default_workspace() -> Path:
-    env = os.environ.get("TURBORAG_WORKSPACE")
-    return Path(env).expanduser() if env else cache_dir() / "workspace"
+    return environment.workspace_dir()
 
 
 class _TextOfHTML(HTMLParser):

@@ -45,7 +45,7 @@ from turborag_integrations.workspace import Workspace
 try:
     from turborag_integrations.core.async_iter import iterate_in_thread
 except ImportError:
-    from turborag_integrations.langchain.async_iter import iterate_in_thread
+    from turborag_integrations.core.async_iter import iterate_in_thread
 
 STATIC = Path(__file__).parent / "static"
 MAX_K = 20  # passages per question; the page's number field uses the same bounds

@@ -156,15 +156,13 @@ def test_registry_bounds():
 
 
 def test_adapters_on_one_engine_share_its_registry(engine, minilm):
-    from turborag_integrations.langchain import TurboRAGLLM, default_registry
+    from turborag_integrations.langchain import TurboRAGLLM
 
     shared = ChunkRegistry.for_engine(engine)
     store = KVCachingVectorStore(InMemoryVectorStore(minilm), engine=engine)
     assert store.registry is shared
     assert TurboRAGChatModel(engine=engine).get_registry() is shared
     assert TurboRAGLLM(engine=engine).get_registry() is shared
-    with pytest.deprecated_call():
-        assert default_registry() is not shared
 
 
 def test_from_documents_builds_chroma_and_encodes(engine, minilm, tmp_path):

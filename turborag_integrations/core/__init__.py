@@ -13,6 +13,3 @@
 docs/concepts.md#architecture draws it.
 """
 
-from . import compat
-
-compat.install()

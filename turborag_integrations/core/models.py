@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import environment
 from .errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -99,14 +100,8 @@ CATALOG: dict[str, BundledModel] = {
 
 
 def cache_dir() -> Path:
-    """Where converted models (and, by default, the KV store) live.
-
-    `TURBORAG_CACHE` wins; otherwise `$XDG_CACHE_HOME/turborag`, else `~/.cache/turborag`.
-    """
-    if os.environ.get("TURBORAG_CACHE"):
-        return Path(os.environ["TURBORAG_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "turborag"
+    """Where converted models (and, by default, the KV store) live (core/environment.py)."""
+    return environment.cache_dir()
 
 
 def _sha256_of(paths: list[Path]) -> str:

@@ -11,16 +11,16 @@ built); the core engine does not need either.
 """
 
 from ..core.errors import FingerprintMismatch
+from ..core.registry import ChunkRegistry
 from .callbacks import TurboRAGRunCollector
 from .chat_model import TurboRAGChatModel
 from .embeddings import SentenceTransformerEmbeddings
 from .fingerprints import FINGERPRINT, KV_KEY, MODEL
 from .generation import shared_engine
 from .llm import TurboRAGLLM
-from .registry import ChunkRegistry, default_registry
 from .vectorstore import KVCachingVectorStore
 from .rapid import RapidChatModel
 
 __all__ = ["KVCachingVectorStore", "TurboRAGChatModel", "TurboRAGLLM", "TurboRAGRunCollector",
-           "ChunkRegistry", "default_registry", "SentenceTransformerEmbeddings", "shared_engine",
+           "ChunkRegistry", "SentenceTransformerEmbeddings", "shared_engine",
            "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL", "RapidChatModel"]

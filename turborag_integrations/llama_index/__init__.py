@@ -10,10 +10,10 @@
 Needs llama-index-core (and llama-index-vector-stores-chroma for the default store).
 """
 
+from ..core.registry import ChunkRegistry
 from .llm import STATS_KEY, TurboRAGLLM, stats_payload
 from .nodes import KV_KEY_METADATA, llm_text
 from .postprocessor import KVCachePostprocessor
-from .registry import ChunkRegistry
 from .vector_store import KVCachingVectorStore, chroma_vector_store
 from .rapid import RapidLLM
 

@@ -12,14 +12,15 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from ..core import environment
+
 CONNECTOR_MODULE = "turborag_integrations.vllm.connector"
 
 
 def default_python() -> Path:
     """$TURBORAG_VLLM_PYTHON, else .venv-vllm/bin/python in the current folder (what
     `bash scripts/install.sh vllm` builds)."""
-    env = os.environ.get("TURBORAG_VLLM_PYTHON")
-    return Path(env) if env else Path.cwd() / ".venv-vllm" / "bin" / "python"
+    return environment.vllm_python() or Path.cwd() / ".venv-vllm" / "bin" / "python"
 
 
 def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | None = None,

@@ -47,7 +47,6 @@ forward.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -58,6 +57,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import environment
 from ..settings import QUANTIZE_MODES, check_choice
 from ..attention import split_attention
 from ..transformers_api import with_cache
@@ -301,7 +301,7 @@ class FastDecoder:
         """
         check_choice("quantize", quantize, QUANTIZE_MODES)
         matmul = check_choice("matmul (TURBORAG_DECODE_MATMUL)",
-                              matmul or os.environ.get("TURBORAG_DECODE_MATMUL", "auto"),
+                              matmul or environment.decode_matmul(),
                               MATMUL_MODES)
         reason = unsupported_reason(model)
         if reason:

@@ -15,13 +15,13 @@ product gives other numbers than F.linear, or (mode "auto") where it is not clea
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from .. import environment
 from ..settings import check_choice
 from .fast import best_time
 
@@ -79,7 +79,7 @@ class PackedLinears:
         "auto" (only where they are clearly faster than F.linear for `rows` rows, timed once on
         the lm_head); None reads TURBORAG_BATCH_MATMUL, default "auto"."""
         mode = check_choice("batch matmul (TURBORAG_BATCH_MATMUL)",
-                            mode or os.environ.get("TURBORAG_BATCH_MATMUL", "auto"),
+                            mode or environment.batch_matmul(),
                             BATCH_MATMUL_MODES)
         if mode == "linear" or _ops() is None or fast.quantize is not None:
             return None

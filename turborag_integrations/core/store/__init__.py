@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from .. import environment
 from ..prefill.blob import Fingerprint, KVBlob, chunk_key, namespace_tag
 from ..errors import BlobCorrupted, TurboRAGError
 from .budget import parse_size
@@ -43,11 +44,8 @@ class StoreClosedError(TurboRAGError, RuntimeError):
 
 
 def default_store_path() -> Path:
-    if os.environ.get("TURBORAG_STORE"):
-        return Path(os.environ["TURBORAG_STORE"]).expanduser()
-    from ..models import cache_dir
-
-    return cache_dir() / "kv"
+    """`TURBORAG_STORE`, else the package's cache folder's `kv` (core/environment.py)."""
+    return environment.store_dir()
 
 
 # Tiers whose hits have a field of their own in StoreStats; others count in `other_hits`.
@@ -116,7 +114,7 @@ class KVStore:
         self.accelerator = (MemoryTier(accelerator_bytes, device="cuda")
                             if accelerator_bytes > 0 and torch.cuda.is_available() else None)
         extra = list(tiers)
-        url = os.environ.get("TURBORAG_REDIS_URL") if remote_url is None else remote_url
+        url = environment.redis_url() if remote_url is None else remote_url
         if url:
             from .redis_tier import RedisTier  # imported on demand: redis-py is an extra
 

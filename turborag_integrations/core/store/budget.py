@@ -18,16 +18,17 @@ environment (TURBORAG_STORE_BYTES, TURBORAG_STORE_PREFIX_BYTES), or the default:
 
 from __future__ import annotations
 
-import os
 import re
+
+from .. import environment
 
 __all__ = ["parse_size", "format_size", "requested", "resolve", "DISK_CAP", "PREFIX_CAP",
            "ENV_DISK", "ENV_PREFIX"]
 
 DISK_CAP = 100 << 30
 PREFIX_CAP = 8 << 30
-ENV_DISK = "TURBORAG_STORE_BYTES"
-ENV_PREFIX = "TURBORAG_STORE_PREFIX_BYTES"
+ENV_DISK = environment.STORE_DISK_BYTES
+ENV_PREFIX = environment.STORE_PREFIX_BYTES
 
 # Decimal units as the SI writes them (kB, MB, GB), binary ones as the IEC does (KiB, MiB, GiB);
 # a bare letter (2G) is binary, as `ls -h` and `du -h` print it.
@@ -63,7 +64,7 @@ def format_size(n: int) -> str:
 
 
 def _from_env(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
+    value = environment.size(name)
     if not value:
         return None
     try:
