@@ -93,6 +93,23 @@ def test_a_cache_salt_splits_a_tenants_cache(client, engine, keys):
     assert ask(client, engine, keys["a"], OTHER, cache_salt="s1")["turborag"]["cache_hits"] == 0
 
 
+def test_a_salted_request_reuses_its_tenants_chunks_and_keeps_its_own_heads(client, engine,
+                                                                            keys):
+    """A salt splits what requests compute, not the tenant's corpus: the chunks the tenant
+    ingested without a salt are reused under every salt of its own (another tenant's salt
+    reaches none), and the prompt head is encoded for the salt, never read from the tenant's."""
+    texts = [t + " (salted)" for t in OTHER]
+    ingest(client, keys["a"], texts)
+    plain = ask(client, engine, keys["a"], texts)["turborag"]
+    salted = ask(client, engine, keys["a"], texts, cache_salt="u1")["turborag"]
+    assert plain["cache_hits"] == salted["cache_hits"] == 2
+    assert ask(client, engine, keys["b"], texts, cache_salt="u1")["turborag"]["cache_hits"] == 0
+    tenant, split = engine.namespaced("acme"), engine.namespaced("acme/u1")
+    assert not split.store.contains(split.chunk_key(texts[0]))  # read from the tenant's store
+    heads = set(split.store.keys())
+    assert heads and not heads & set(tenant.store.keys())
+
+
 @pytest.mark.parametrize("salt,rule", [("", "non-empty"), ("x" * 129, "at most 128"),
                                        ("a/b", "must not contain"), ("a@b", "must not contain"),
                                        ("a\\b", "must not contain"), ("a\x00b", "must not contain"),

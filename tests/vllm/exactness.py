@@ -132,6 +132,13 @@ def main(model_dir: str, out_path: str) -> None:
     results["tenant_own"] = {**run(r["ids"], "turborag:acme"), "hf_turbo": r["turbo"],
                              "hf_reused": r["reused"]}
     results["tenant_other"] = {**run(r["ids"], "turborag:globex"), "hf_naive": r["naive"]}
+    # a salt splits the heads, not the tenant's corpus: acme's chunks under acme's salt u1 (the
+    # head encoded anew for it), and the default corpus under a per-user salt
+    results["tenant_salted"] = {**run(r["ids"], "turborag:acme:u1"), "hf_turbo": r["turbo"],
+                                "hf_reused": r["reused"],
+                                "own_head": bool(engine.namespaced("acme/u1").store.keys())}
+    results["default_salted"] = {**run(r["ids"], "turborag-user7"), "hf_turbo": r["turbo"],
+                                 "hf_reused": r["reused"]}
     # chunks named by the client: one stored (in the namespace of the request's salt), one
     # never ingested (ignored, and counted)
     engine.namespaced("/-named").encode_chunks(CHUNKS[:3])

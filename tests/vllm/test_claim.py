@@ -76,3 +76,14 @@ def test_the_salt_names_the_namespace():
         "turborag:acme", "turborag")
     assert salt_namespace(None, "turborag") is None
     assert salt_namespace("plain", "turborag") is None
+
+
+def test_a_salted_request_reads_its_tenants_chunks_and_the_public_ones():
+    from turborag_integrations.core.store.namespaces import PUBLIC, readable
+
+    assert readable("acme/s1") == ("acme/s1", "acme", PUBLIC)
+    assert readable("acme") == ("acme", PUBLIC)
+    assert readable("") == ("", PUBLIC)
+    # a salt on a store without tenants reads the default namespace's chunks
+    assert readable(salt_namespace("turborag-user7", "turborag")) == ("/-user7", "", PUBLIC)
+    assert readable("acme/s1", public=False) == ("acme/s1", "acme")

@@ -129,6 +129,16 @@ def test_a_tenant_claims_its_own_blobs_and_never_anothers(measured):
     assert other["tokens"] == other["hf_naive"]
 
 
+def test_a_salt_splits_the_heads_and_keeps_the_tenants_chunks(measured):
+    """Per-user salts (vLLM's advice) keep reusing the corpus: "turborag:acme:u1" claims acme's
+    chunks and a head of its own, "turborag-user7" the default namespace's chunks."""
+    for name in ("tenant_salted", "default_salted"):
+        case = measured[0][name]
+        assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
+        assert case["tokens"] == case["hf_turbo"]
+    assert measured[0]["tenant_salted"]["own_head"]
+
+
 @pytest.fixture(scope="module")
 def through_redis(tmp_path_factory):
     require_vllm()

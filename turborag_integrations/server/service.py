@@ -26,7 +26,7 @@ from starlette.responses import Response
 from ..core.batching import BatchScheduler, RequestCancelled
 from ..core.engine import TurboRAGEngine
 from ..core.settings import GenerationConfig
-from ..core.store.namespaces import PUBLIC, namespace_of
+from ..core.store.namespaces import PUBLIC, namespace_of, readable
 from .finder import ChunkFinder
 from .jobs import Event, Job
 from .keys import Principal
@@ -60,9 +60,9 @@ class Service:
         tenants: requests carry a tenant (a keys file): the metrics count per tenant too.
 
         Each request works in its namespace (`request_namespace`): its tenant's, split by its cache
-        salt. The texts found in its prompt are looked up there and in the public namespace
-        only, its blobs come from those namespaces' stores, and what it encodes goes into its
-        own (core/store/namespaces.py)."""
+        salt. The texts found in its prompt are looked up there, in its tenant's when it has a
+        salt, and in the public namespace (`namespaces.readable`), nowhere else; its blobs come
+        from those namespaces' stores, and what it encodes goes into its own."""
         self.engine = engine
         self.finders = {"": finder}  # the default namespace's follows in-process adapters
         self.tenants = tenants
@@ -125,8 +125,9 @@ class Service:
         return found
 
     def view(self, namespace: str) -> TurboRAGEngine:
-        """The engine in `namespace`, reading the public namespace too."""
-        return self.engine.namespaced(namespace, shared=(PUBLIC,))
+        """The engine in `namespace`, reading the chunks of the namespaces `readable` names too:
+        a salted request's tenant's, and the public one."""
+        return self.engine.namespaced(namespace, shared=readable(namespace)[1:])
 
     async def complete(self, request: Request, req: CompletionParams, prompt: str,
                        reply: Reply) -> Response:
@@ -212,7 +213,7 @@ class Service:
             self.finder(view.namespace).add(named)
         started = time.perf_counter()
         found = []
-        for namespace in dict.fromkeys((view.namespace, PUBLIC)):
+        for namespace in readable(view.namespace):
             finder = self.finders.get(namespace)
             if finder is not None:
                 found += finder.find(prompt)

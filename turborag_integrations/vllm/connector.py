@@ -67,7 +67,7 @@ from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
 from ..core.prefill.token_spans import non_overlapping
 from ..core.store import KVStore
-from ..core.store.namespaces import PUBLIC
+from ..core.store.namespaces import readable
 from .claim import Claim, ClaimedSpan, plan_claim, salt_namespace
 from .heads import rank_heads
 
@@ -250,24 +250,30 @@ class TurboRAGConnector(KVConnectorBase_V1):
             return None
         return key
 
-    def _named_chunks(self, request, space: Space) -> dict | None:
+    def _named_chunks(self, request, spaces: list[Space]) -> dict | None:
         """Chunk texts the client names in `kv_transfer_params.turborag_chunks`: indexed now if
-        stored (no wait for the next look at the store); the others are counted, not fatal."""
+        stored in one of the request's namespaces (no wait for the next look at the store); the
+        others are counted, not fatal."""
         params = getattr(request, "kv_transfer_params", None) or {}
         texts = params.get("turborag_chunks") if isinstance(params, dict) else None
         if not isinstance(texts, list):
             return None
         unknown = 0
-        store = space.engine.store
         for text in texts:
             try:
                 ids = self._engine.encoder.tokenize(text) if isinstance(text, str) else None
             except Exception:  # empty, or longer than the window
                 ids = None
-            key = store.key(self.chunk_fp, ids) if ids else None
-            if key is None or not store.contains(key):
+            found = None
+            for space in spaces if ids else ():
+                key = space.engine.store.key(self.chunk_fp, ids)
+                if space.engine.store.contains(key):
+                    found = space, key
+                    break
+            if found is None:
                 unknown += 1
                 continue
+            space, key = found
             if not space.index.add([SpanEntry(key, tuple(ids))]) and key not in space.index:
                 unknown += 1  # shorter than min_chunk_tokens
         return {"named_chunks": len(texts), "unknown_chunks": unknown}
@@ -277,11 +283,12 @@ class TurboRAGConnector(KVConnectorBase_V1):
         return key if space.engine.store.contains(key) else None
 
     def _namespaces(self, request) -> tuple[str, ...] | None:
-        """The namespaces whose blobs a request may use, its own first; None: not ours."""
+        """The namespaces whose blobs a request may use, its own first (then, for a salted
+        one, its tenant's, and the public one: `namespaces.readable`); None: not ours."""
         namespace = salt_namespace(request.cache_salt, self._salt_prefix)
         if namespace is None:
             return None
-        return tuple(dict.fromkeys((namespace, PUBLIC) if self._public else (namespace,)))
+        return readable(namespace, self._public)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         namespaces = self._namespaces(request) if self._enabled else None
@@ -291,12 +298,14 @@ class TurboRAGConnector(KVConnectorBase_V1):
         own = spaces[0]
         for space in spaces:
             self._refresh(space)
-        named = self._named_chunks(request, own)
+        named = self._named_chunks(request, spaces)
         ids = list(request.prompt_token_ids or [])
         # a blob deleted since it was indexed ends the claim there (contains: one stat per span)
         matches = []
         for space in spaces:
             for match in space.index.find(ids):
+                if match.entry.plain and space is not own:
+                    continue  # a head computed for requests of another namespace: never shared
                 if space.engine.store.contains(match.entry.key):
                     matches.append(match)
                 else:

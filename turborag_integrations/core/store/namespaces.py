@@ -12,7 +12,8 @@ a store can tell a key of another namespace without reading anything.
   `shrink`, `verify` and document deletion of one namespace never touch another's files. A
   name "tenant/salt" (a tenant's cache split further by a cache salt, as vLLM's `cache_salt`
   splits its prefix cache) has keys of its own in the tenant's disk tier, so that a tenant's
-  salts share the tenant's budget rather than each taking a whole one;
+  salts share the tenant's budget rather than each taking a whole one (and `readable` lets a
+  salted request reuse the tenant's chunks, not its heads);
 - the memory, accelerator and remote (Redis) tiers of the store it came from, shared: each
   entry's key says whose it is, and a namespace's store asks them only for its own keys — a key
   of another namespace is a miss in `get` and `contains`, is not deleted by `delete`, and is
@@ -47,6 +48,19 @@ def check_namespace(name: str) -> None:
     if "\x00" in name or len(name) > MAX_NAMESPACE_CHARS:
         raise ValueError(f"a namespace has at most {MAX_NAMESPACE_CHARS} characters and no NUL "
                          f"(got {len(name)} characters)")
+
+
+def readable(name: str, public: bool = True) -> tuple[str, ...]:
+    """The namespaces whose chunk blobs a request of namespace `name` may reuse, its own first.
+
+    A salt splits what requests compute — prompt heads, and chunks ingested with that salt —
+    as vLLM's `cache_salt` splits its prefix cache; what the tenant ingested without a salt is
+    its corpus under every salt, so "tenant/salt" reads the tenant's chunks too (never its
+    heads: those were computed for requests of another salt). Then the public namespace."""
+    names = [name, disk_partition(name)] if "/" in name else [name]
+    if public:
+        names.append(PUBLIC)
+    return tuple(dict.fromkeys(names))
 
 
 def disk_partition(name: str) -> str:
