@@ -151,3 +151,29 @@ def test_a_request_without_the_salt_is_not_served_stitched_blocks(served):
     salted = httpx.post(f"{served}/v1/chat/completions", json={**body, **SALT},
                         timeout=300).json()
     assert salted["kv_transfer_params"]["turborag"]["claimed_tokens"] > 100
+
+
+def sample(url: str, name: str) -> float:
+    """The sum of one Prometheus sample over its labels (0 when vLLM shows none yet)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+
+
+def test_the_workers_figures_reach_vllms_metrics(served):
+    """Every token the scheduler claimed is one the workers wrote from a blob, and vLLM's
+    /metrics shows both (the workers' figures arrive with the step outputs, so a little later)."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, **SALT,
+            "messages": [{"role": "user", "content": "Context:\n" + "\n\n".join(DOCS[1:])
+                          + "\n\nQuestion: Who kept the diary?"}]}
+    reply = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=300).json()
+    assert reply["kv_transfer_params"]["turborag"]["claimed_tokens"] > 100
+    deadline = time.monotonic() + 20
+    while True:
+        loaded = sample(served, "vllm:turborag_loaded_tokens_total")
+        if loaded == external_hits(served) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert loaded == external_hits(served) > 100
+    assert sample(served, "vllm:turborag_loaded_spans_total") >= 3
+    assert sample(served, "vllm:turborag_load_seconds_count") >= 1
+    assert sample(served, "vllm:turborag_load_errors_total") == 0

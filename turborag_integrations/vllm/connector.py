@@ -70,6 +70,7 @@ from ..core.store import KVStore
 from ..core.store.namespaces import readable
 from .claim import Claim, ClaimedSpan, plan_claim, salt_namespace
 from .heads import rank_heads
+from .metrics import TurboRAGConnectorStats, TurboRAGPromMetrics
 
 log = logging.getLogger("turborag.vllm")
 
@@ -171,6 +172,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         else:
             self._tp: tuple[int, int] | None = None  # (rank, ranks), read at the first load
             self._load_errors: set[int] = set()
+            self._stats = TurboRAGConnectorStats()  # since vLLM last collected them
 
     def _off(self, reason: str) -> None:
         """Serve every request causally, and say why once."""
@@ -376,6 +378,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._tp = (parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_tensor_model_parallel_world_size())
         bs = self._block_size
+        started, written, spans, errors = time.perf_counter(), 0, 0, 0
         for span in load.spans:
             lo = max(span.start, load.first_token)
             hi = span.start + span.length
@@ -399,6 +402,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
                     log.warning("TurboRAG blob %s missing at load time, vLLM recomputes its "
                                 "tokens", span.key[:12])
                 self._load_errors.update(load.block_ids[t // bs] for t in range(lo, hi))
+                errors += 1
                 continue
             block_ids = torch.tensor(load.block_ids, dtype=torch.long)
             slots = block_ids[tokens // bs] * bs + tokens % bs
@@ -415,6 +419,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 k = self._rotator.rotate(k, offset).to(dtype).transpose(0, 1).contiguous()
                 v = values[index, heads].to(device=device, dtype=dtype).transpose(0, 1).contiguous()
                 layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(device))
+            written, spans = written + hi - lo, spans + 1
+        self._stats.record(written, spans, errors, time.perf_counter() - started)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -428,3 +434,19 @@ class TurboRAGConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ---- statistics (metrics.py) --------------------------------------------------------------
+    def get_kv_connector_stats(self) -> TurboRAGConnectorStats | None:
+        stats = getattr(self, "_stats", None)  # the scheduler's side has none
+        if stats is None or stats.is_empty():
+            return None
+        self._stats = TurboRAGConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> TurboRAGConnectorStats:
+        return TurboRAGConnectorStats(data=data) if data is not None else TurboRAGConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TurboRAGPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
