@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import QUESTIONS, rag_prompt  # noqa: E402
 
-from turborag_integrations.core.batching import BatchScheduler  # noqa: E402
+from turborag_integrations.core.batching import BatchScheduler, on_own_thread  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
 from turborag_integrations.core.models import DEFAULT_MODEL  # noqa: E402
 from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
@@ -102,24 +102,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def in_thread(fn):
-    """fn() on a thread that ends when fn returns; its result (or its error)."""
-    out = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # re-raised on the calling thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def prepare(args, tmp: str) -> dict:
     """The engine, the prompts (their chunks encoded and stored) and `engine.generate`'s answers
     and decode speed, each prompt alone."""
@@ -159,7 +141,7 @@ def main(argv=None) -> int:
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
     with tempfile.TemporaryDirectory() as tmp:
-        setup = prepare(args, tmp) if args.load_on_main else in_thread(lambda: prepare(args, tmp))
+        setup = prepare(args, tmp) if args.load_on_main else on_own_thread(lambda: prepare(args, tmp))
         engine, prompts = setup["engine"], setup["prompts"]
         say(f"  engine.generate alone: {setup['generate_tps']:.1f} tok/s")
         config = GenerationConfig(max_new_tokens=args.new_tokens)

@@ -218,3 +218,14 @@ def test_mixed_requests_from_eight_threads_on_one_engine(engines):
     wrong = [(kind, q) for kind, q, got in results if got != solo[(kind, q)]]
     assert wrong == []
     assert engine.model.config._attn_implementation == "sdpa"
+
+
+def test_on_own_thread_returns_the_result_or_raises_the_error_of_another_thread():
+    import threading
+
+    from turborag_integrations.core.batching import on_own_thread
+
+    main = threading.get_ident()
+    assert on_own_thread(threading.get_ident) != main
+    with pytest.raises(ValueError, match="no model"):
+        on_own_thread(lambda: (_ for _ in ()).throw(ValueError("no model")))

@@ -63,7 +63,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -454,3 +454,26 @@ class BatchScheduler:
             request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps
         request.released.set()
         request.out.put(error if error is not None else _END)
+
+
+T = TypeVar("T")
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread that ends when it returns, its result or its error: torch work done
+    there (loading a model, encoding chunks) leaves no OpenMP thread pool behind to compete with
+    the scheduler's worker (docs/batching.md#threads)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised on the calling thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="turborag-load")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

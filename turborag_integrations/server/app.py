@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -29,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.batching import BatchScheduler
+from ..core.batching import BatchScheduler, on_own_thread
 from ..core.engine import TurboRAGEngine
 from ..core.registry import ChunkRegistry
 from ..core.settings import MODES, check_choice
@@ -198,28 +196,6 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-T = TypeVar("T")
-
-
-def on_own_thread(fn: Callable[[], T]) -> T:
-    """fn() on a thread that ends when it returns: torch work done there leaves no OpenMP thread
-    pool behind to compete with the scheduler's (core/batching.py)."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # re-raised on the calling thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, name="turborag-load")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def serve(*, model: str | None = None, store: str | Path | None = None,
