@@ -172,8 +172,11 @@ class TurboRAGEngine:
         self.close()
 
     def warmup(self) -> None:
-        """Run a tiny full and a tiny stitched call (nothing is stored), so that the first timed
-        call pays for neither lazy initialisation nor the first cache buffer."""
+        """Run a tiny full and a tiny stitched call (nothing is stored), and encode the stock
+        separators between chunks, so that the first timed call pays for neither lazy
+        initialisation nor the first cache buffer."""
+        if self.stitch_separators:
+            self._separator_blobs()
         self.generate("Hello", config=GenerationConfig(max_new_tokens=2), mode="naive")
         text = "A short passage used to warm up the stitched path."
         blob = self.encoder.encode(text)
