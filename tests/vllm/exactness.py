@@ -139,6 +139,16 @@ def main(model_dir: str, out_path: str) -> None:
                                 "own_head": bool(engine.namespaced("acme/u1").store.keys())}
     results["default_salted"] = {**run(r["ids"], "turborag-user7"), "hf_turbo": r["turbo"],
                                  "hf_reused": r["reused"]}
+    # a tenant's chunks joined by separators: the stock separators, stored once in the default
+    # namespace, serve every tenant
+    engine.namespaced("acme").encode_chunks(sep_chunks)
+    from turborag_integrations.core.prefill.separators import separator_ids
+
+    acme = engine.namespaced("acme")
+    results["tenant_separated"] = {
+        **run(sp["ids"], "turborag:acme"), "hf_turbo": sp["turbo"],
+        "separators_in_acme": sum(acme.store.contains(acme.store.key(acme.fingerprint, ids))
+                                  for ids in separator_ids(engine.tokenizer))}
     # chunks named by the client: one stored (in the namespace of the request's salt), one
     # never ingested (ignored, and counted)
     engine.namespaced("/-named").encode_chunks(CHUNKS[:3])

@@ -129,6 +129,14 @@ def test_a_tenant_claims_its_own_blobs_and_never_anothers(measured):
     assert other["tokens"] == other["hf_naive"]
 
 
+def test_the_stock_separators_serve_every_tenant(measured):
+    case = measured[0]["tenant_separated"]
+    assert case["params"]["turborag"]["separators"] == 2
+    assert case["params"]["turborag"]["spans"] == 6
+    assert case["tokens"] == case["hf_turbo"]
+    assert case["separators_in_acme"] == 0  # stored once, not once per namespace
+
+
 def test_a_salt_splits_the_heads_and_keeps_the_tenants_chunks(measured):
     """Per-user salts (vLLM's advice) keep reusing the corpus: "turborag:acme:u1" claims acme's
     chunks and a head of its own, "turborag-user7" the default namespace's chunks."""

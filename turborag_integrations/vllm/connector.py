@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,7 @@ from .metrics import TurboRAGConnectorStats, TurboRAGPromMetrics
 log = logging.getLogger("turborag.vllm")
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+MAX_SPACES = 1024  # namespaces whose span index the scheduler keeps
 
 
 @dataclass
@@ -161,7 +163,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         self._public = bool(extra.get("public", True))
         if role == KVConnectorRole.SCHEDULER:
             self._min_tokens = int(extra.get("min_chunk_tokens", 8))
-            self._spaces: dict[str, Space] = {}
+            self._spaces: OrderedDict[str, Space] = OrderedDict()
             self._refresh_s = float(extra.get("refresh_s", 2.0))
             self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
             self._claims: dict[str, Claim] = {}
@@ -192,13 +194,22 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._off(f"the model's blobs cannot be indexed: {type(exc).__name__}: {exc}")
 
     def _space(self, namespace: str) -> Space:
-        """A namespace's index, made (separators stored, blobs indexed) on first sight."""
+        """A namespace's index, made (blobs indexed) on first sight; the least recently used
+        ones are dropped beyond MAX_SPACES (per-user salts make many), to be made again if
+        their namespace comes back. The stock separators are stored once, in the default
+        namespace: they are the same constants for everyone and hold nobody's data."""
         space = self._spaces.get(namespace)
         if space is None:
             engine = self._engine.namespaced(namespace)
-            engine.encode_separators()
+            if not namespace:
+                engine.encode_separators()
             space = self._spaces[namespace] = Space(engine, TokenSpanIndex(self._min_tokens))
             self._refresh(space, force=True)
+            while len(self._spaces) > MAX_SPACES:
+                oldest = next(n for n in self._spaces if n)  # the default one stays
+                del self._spaces[oldest]
+        else:
+            self._spaces.move_to_end(namespace)
         return space
 
     # ---- scheduler side ---------------------------------------------------------------------
@@ -280,9 +291,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 unknown += 1  # shorter than min_chunk_tokens
         return {"named_chunks": len(texts), "unknown_chunks": unknown}
 
-    def _separator_key(self, space: Space, ids) -> str | None:
-        key = space.engine.store.key(self.chunk_fp, list(ids))
-        return key if space.engine.store.contains(key) else None
+    def _separator_key(self, ids) -> str | None:
+        store = self._engine.store  # the default namespace's, where they are stored
+        key = store.key(self.chunk_fp, list(ids))
+        return key if store.contains(key) else None
 
     def _namespaces(self, request) -> tuple[str, ...] | None:
         """The namespaces whose blobs a request may use, its own first (then, for a salted
@@ -313,7 +325,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 else:
                     space.index.discard(match.entry.key)
         claim = plan_claim(ids, non_overlapping(matches), lambda i: self._head_key(own, i),
-                           lambda i: self._separator_key(own, i))
+                           self._separator_key)
         self._claims[request.request_id] = claim
         if named is not None:
             self._named[request.request_id] = named
@@ -389,7 +401,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 if self._store is None:
                     raise RuntimeError("this worker could not open the store")
                 # each namespace's store reads only its own keys: the first that holds it
-                blob = next((b for n in load.namespaces
+                # (separators lie in the default namespace)
+                names = (*load.namespaces, "") if span.separator else load.namespaces
+                blob = next((b for n in names
                              if (b := self._store.namespace(n).get(span.key, fp)) is not None),
                             None)
             except Exception as exc:
