@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import environment
+# where converted models (and, by default, the KV store) live
+from .environment import cache_dir
 from .errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -97,11 +98,6 @@ CATALOG: dict[str, BundledModel] = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """Where converted models (and, by default, the KV store) live (core/environment.py)."""
-    return environment.cache_dir()
 
 
 def _sha256_of(paths: list[Path]) -> str:

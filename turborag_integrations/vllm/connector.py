@@ -390,6 +390,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._tp = (parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_tensor_model_parallel_world_size())
         bs = self._block_size
+        block_ids = torch.tensor(load.block_ids, dtype=torch.long)
         started, written, spans, errors = time.perf_counter(), 0, 0, 0
         for span in load.spans:
             lo = max(span.start, load.first_token)
@@ -418,7 +419,6 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 self._load_errors.update(load.block_ids[t // bs] for t in range(lo, hi))
                 errors += 1
                 continue
-            block_ids = torch.tensor(load.block_ids, dtype=torch.long)
             slots = block_ids[tokens // bs] * bs + tokens % bs
             keys = blob.keys[:, :, lo - span.start:hi - span.start]  # [L, H, T, D]
             values = blob.values[:, :, lo - span.start:hi - span.start]
