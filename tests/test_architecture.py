@@ -30,8 +30,8 @@ GROUPS = {
     "retrieval": [f"{CORE}.retrieval"],
     "model": [f"{CORE}.models", f"{CORE}.adapter"],
     "store": [f"{CORE}.store"],
-    "engine": [f"{CORE}.engine", f"{CORE}.run", f"{CORE}.registry", f"{CORE}.async_iter",
-               f"{CORE}.batching"],
+    "engine": [f"{CORE}.engine", f"{CORE}.request", f"{CORE}.run", f"{CORE}.registry",
+               f"{CORE}.async_iter", f"{CORE}.batching"],
     "rapid": [f"{CORE}.rapid"],
     "core": [CORE],  # core/__init__
     "llama_index": [f"{PACKAGE}.llama_index"],

@@ -73,8 +73,8 @@ from .decode.sampling import Sampler
 from .decode.selfspec import DraftStats
 from .engine import TurboRAGEngine
 from .prefill.cache import BatchArena
-from .prefill.recovery import parse_recovery
 from .prefill.stitch import Segment
+from .request import Request
 from .run import GenerationStats, GenerationStream, Run
 from .settings import GenerationConfig
 
@@ -92,16 +92,14 @@ class RequestCancelled(Exception):
 
 
 class _Request:
-    """One submitted generation: its arguments, the channel to its consumer, and the worker's
+    """One submitted generation: the request, the channel to its consumer, and the worker's
     decoding state (touched by the worker thread only)."""
 
-    def __init__(self, prompt, chunks, config: GenerationConfig, mode: str,
-                 positions: str | None, encode_missing: bool, recovery,
+    def __init__(self, request: Request, engine: TurboRAGEngine,
                  cancelled: threading.Event | None = None):
-        self.prompt, self.chunks, self.config, self.mode = prompt, chunks, config, mode
-        self.positions, self.encode_missing, self.recovery = positions, encode_missing, recovery
-        self.stats = GenerationStats(mode=mode)
-        self.draft_stats = DraftStats() if config.draft else None
+        self.request, self.engine, self.config = request, engine, request.config
+        self.stats = GenerationStats(mode=request.mode)
+        self.draft_stats = DraftStats() if request.config.draft else None
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # _ADMITTED, tokens, _END or an error
         self.cancelled = threading.Event()  # the consumer has closed its stream
         self.withdrawn = cancelled  # the caller's event: set, it wants the request no more
@@ -192,9 +190,8 @@ class BatchScheduler:
         if engine is not None and engine.model is not self.engine.model:
             raise ValueError("a request's engine must be a namespace of the scheduler's engine "
                              "(engine.namespaced(name)), not another model")
-        request = _Request(prompt, list(chunks), config, mode, positions, encode_missing, recovery,
-                           cancelled)
-        request.engine = engine or self.engine
+        request = _Request(Request(prompt, tuple(chunks), config, mode, positions,
+                                   encode_missing, recovery), engine or self.engine, cancelled)
         return GenerationStream(start=lambda: self._start(request))
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -312,14 +309,15 @@ class BatchScheduler:
             self._retire(request, RequestCancelled(WITHDRAWN))
             return
         try:
-            pre = self._prefill(request)
+            t0 = now()
+            prepared = request.engine.start(request.request, stats=request.stats)
         except Exception as exc:
             self._retire(request, exc)
             return
-        request.cache = pre.cache
-        request.limit = min(config.max_new_tokens,
-                            engine.context_window - pre.plan.next_position)
-        request.position = pre.plan.next_position
+        request.stats.extra["queue_s"] = t0 - request.submitted
+        pre = prepared.prefill
+        request.cache, request.limit = pre.cache, prepared.limit
+        request.position = prepared.position
         decoder = None
         if config.draft is None and config.quantize is None:
             decoder = BatchedDecoder.for_model(engine.model, rows=self.max_batch)
@@ -347,37 +345,6 @@ class BatchScheduler:
             return
         request.cache = self._arena.join(cache, room=request.limit + 1)
         self.engine.cache_pool.release(cache)
-
-    def _prefill(self, request: _Request):
-        """`engine.stream`'s prefill of the request's prompt; fills in its prompt stats."""
-        engine, config = request.engine, request.config
-        t0 = now()
-        if isinstance(request.prompt, str):
-            segments, hits, misses = engine.segments(request.prompt, request.chunks,
-                                                     mode=request.mode,
-                                                     encode_missing=request.encode_missing)
-        elif request.mode == "turbo":
-            segments = list(request.prompt)
-            hits, misses = sum(s.cached for s in segments), 0
-        else:
-            segments, hits, misses = [Segment("".join(s.text for s in request.prompt))], 0, 0
-        t_loaded = now()
-        # drafts are written past the accepted tokens before verification cuts them off
-        reserve = config.max_new_tokens + (config.draft_tokens + 1 if config.draft else 0)
-        pre = engine.prefill(segments, positions=request.positions, reserve=reserve,
-                             recovery=request.recovery)
-        plan, stats = pre.plan, request.stats
-        stats.assembly_s = (t_loaded - t0) + pre.timings["assembly_s"]
-        stats.prefill_s = pre.timings["prefill_s"]
-        stats.prompt_tokens = len(plan.token_ids)
-        stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
-        stats.cache_hits, stats.cache_misses = hits, misses
-        stats.extra["positions"] = request.positions or engine.positions
-        stats.extra["queue_s"] = t0 - request.submitted
-        if request.recovery is not None:
-            stats.extra["recovery"] = str(parse_recovery(request.recovery))
-            stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
-        return pre
 
     def _advance(self, request: _Request, logits: torch.Tensor | None) -> bool:
         """Hand over `request`'s next token (drawn from `logits`, or from its own decode loop);

@@ -31,6 +31,7 @@ from .prefill.rope import KeyRotator
 from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
 from .prefill.separators import separator_ids
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
+from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
 from .store import KVStore, StoreWriteError
@@ -445,9 +446,9 @@ class TurboRAGEngine:
         (see core/prefill/recovery.py): recompute some chunk tokens with full context (turbo
         mode).
         """
-        config = config or GenerationConfig()
-        return GenerationStream(start=lambda: self._start(prompt, chunks, config, mode, positions,
-                                                          encode_missing, recovery))
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+                          encode_missing, recovery)
+        return GenerationStream(start=lambda: self._run(request))
 
     def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                  config: GenerationConfig | None = None, mode: str = "turbo",
@@ -460,33 +461,46 @@ class TurboRAGEngine:
             pass
         return stream.result  # type: ignore[return-value]
 
-    def _start(self, prompt, chunks, config: GenerationConfig, mode: str,
-               positions: str | None, encode_missing: bool, recovery) -> Run:
+    def start(self, request: Request, *, stats: GenerationStats | None = None) -> Prepared:
+        """Prefill `request`'s prompt: split it around its chunks, stitch their blobs, prefill
+        the rest, and fill in the prompt's part of `stats` (a new GenerationStats if None).
+        The one way from a request to its first logits, on every run path (`stream`, the batch
+        scheduler); the caller releases `prepared.prefill.cache` to `cache_pool`."""
+        config, mode, prompt = request.config, request.mode, request.prompt
         t0 = now()
         if isinstance(prompt, str):
-            segments, hits, misses = self.segments(prompt, chunks, mode=mode,
-                                                   encode_missing=encode_missing)
-        else:
-            segments = list(prompt) if mode == "turbo" else [Segment("".join(s.text for s in prompt))]
+            segments, hits, misses = self.segments(prompt, request.chunks, mode=mode,
+                                                   encode_missing=request.encode_missing)
+        elif mode == "turbo":
+            segments = list(prompt)
             hits, misses = sum(s.cached for s in segments), 0
+        else:
+            segments, hits, misses = [Segment("".join(s.text for s in prompt))], 0, 0
         t_loaded = now()
-        # drafts are written past the accepted tokens before verification cuts them off
-        reserve = config.max_new_tokens + (config.draft_tokens + 1 if config.draft else 0)
-        pre = self.prefill(segments, positions=positions, reserve=reserve, recovery=recovery)
+        reserve = reserve_slots(config.max_new_tokens,
+                                config.draft_tokens + 1 if config.draft else 0)
+        pre = self.prefill(segments, positions=request.positions, reserve=reserve,
+                           recovery=request.recovery)
         plan = pre.plan
+        stats = stats if stats is not None else GenerationStats(mode=mode)
         # assembly = finding and loading the blobs + re-rotating and concatenating them
-        stats = GenerationStats(
-            mode=mode, assembly_s=(t_loaded - t0) + pre.timings["assembly_s"],
-            prefill_s=pre.timings["prefill_s"],
-            prompt_tokens=len(plan.token_ids), reused_tokens=plan.reused_tokens,
-            prefilled_tokens=plan.prefilled_tokens, cache_hits=hits, cache_misses=misses)
-        stats.extra["positions"] = positions or self.positions
+        stats.assembly_s = (t_loaded - t0) + pre.timings["assembly_s"]
+        stats.prefill_s = pre.timings["prefill_s"]
+        stats.prompt_tokens = len(plan.token_ids)
+        stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
+        stats.cache_hits, stats.cache_misses = hits, misses
+        stats.extra["positions"] = request.positions or self.positions
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
-        if recovery is not None:
-            stats.extra["recovery"] = str(parse_recovery(recovery))
+        if request.recovery is not None:
+            stats.extra["recovery"] = str(parse_recovery(request.recovery))
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
-        limit = min(config.max_new_tokens, self.context_window - plan.next_position)
+        limit = new_token_limit(config.max_new_tokens, self.context_window, plan.next_position)
+        return Prepared(request, pre, stats, limit)
+
+    def _run(self, request: Request) -> Run:
+        prepared = self.start(request)
+        pre, stats, config = prepared.prefill, prepared.stats, request.config
         draft_stats = DraftStats() if config.draft else None
 
         def finish() -> None:
@@ -494,7 +508,7 @@ class TurboRAGEngine:
             if draft_stats is not None:
                 stats.extra.update(draft_stats.as_dict())
 
-        tokens = decode_loop(self.model, pre.cache, pre.logits, plan.next_position, config,
-                             config.end_ids(self.eos_ids), max_new_tokens=limit,
+        tokens = decode_loop(self.model, pre.cache, pre.logits, prepared.position, config,
+                             config.end_ids(self.eos_ids), max_new_tokens=prepared.limit,
                              draft_stats=draft_stats)
-        return Run(tokens, stats, limit, self.tokenizer, config.stop, finish)
+        return Run(tokens, stats, prepared.limit, self.tokenizer, config.stop, finish)

@@ -33,6 +33,7 @@ from ..errors import ContextWindowError, ModelError
 from ..prefill.blob import KVBlob
 from ..prefill.cache import KVCache
 from ..prefill.stitch import Prefill, Segment
+from ..request import new_token_limit, reserve_slots
 from ..run import GenerationResult, GenerationStream, Run, RunStats
 from ..settings import QUANTIZE_MODES, GenerationConfig, SpeculationConfig, check_choice
 from .context import ContextIndex, DrafterContext, document_order
@@ -257,7 +258,7 @@ class RapidEngine:
                 f"the prompt is {total} tokens, more than the target {engine.loaded.name!r} can "
                 f"read (context window {engine.context_window}, and at least one token to "
                 "generate); shorten the context")
-        return prefix_ids, max(0, min(max_new_tokens, engine.context_window - total))
+        return prefix_ids, new_token_limit(max_new_tokens, engine.context_window, total)
 
     def target_prefill(self, prefix: str, suffix: str, reserve: int):
         """The target's prefill, reusing the prefix cache. Returns (Prefill, prefix_key, hit)."""
@@ -324,7 +325,9 @@ class RapidEngine:
         # Target prompt first: a context too long for the target fails before any compute.
         t_prefix, t_suffix = self.render(self.target, context, question)
         prefix_ids, limit = self.check_target_window(t_prefix, t_suffix, config.max_new_tokens)
-        reserve = limit + speculation.gamma + 2
+        # a round writes up to γ drafts past the accepted tokens, after the pending ones (the
+        # drafter may hold two)
+        reserve = reserve_slots(limit, drafted=speculation.gamma + 2)
         pre_t, key, hit = self.target_prefill(t_prefix, t_suffix, reserve)
         stats.target_prefill_s = pre_t.timings["assembly_s"] + pre_t.timings["prefill_s"]
         stats.target_prompt_tokens = len(pre_t.plan.token_ids)
@@ -382,7 +385,7 @@ def target_greedy(engine: TurboRAGEngine, prefix: str, suffix: str, max_new_toke
     """The target's own greedy answer over the same token ids RAPID uses (prefix and suffix
     tokenized apart): the reference a lossless η = 0 run must reproduce."""
     pre = engine.prefill([Segment(prefix), Segment(suffix)] if prefix else [Segment(suffix)],
-                         reserve=max_new_tokens)
+                         reserve=reserve_slots(max_new_tokens))
     eos = eos_token_ids(engine.model, engine.tokenizer)
     try:
         return list(decode_loop(engine.model, pre.cache, pre.logits, pre.next_position,
