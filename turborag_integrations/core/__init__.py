@@ -7,7 +7,8 @@
 - decode/: producing tokens after a prefill (sampling math, fast steps, drafting, the loop)
 - retrieval/: chunking, embeddings, cosine search (for RAPID's own retrieval and the CLI)
 - store/: where blobs live (memory, disk, accelerator tiers behind one contract)
-- engine, run, registry: TurboRAGEngine and the lifecycle of one streamed generation
+- engine, request, run, registry: TurboRAGEngine, a request and its one prefill, and the
+  lifecycle of one streamed generation
 - rapid/: RAPID — speculation rounds, and the facade over two engines
 
 docs/concepts.md#architecture draws it.

@@ -21,8 +21,7 @@ The worker repeats:
    `concurrent.futures.Future` of its result. While one runs, every request in flight waits, so
    split long work into several calls.
 1. admit: while fewer than `max_batch` requests are in flight, take the next waiting request and
-   prefill it alone (`engine.segments` + `engine.prefill`, the stitched prefill of
-   `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
+   prefill it alone (`engine.start`, the stitched prefill of `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
    A failing prefill fails that request only. A batched request's cache is then copied into
    the next free row of the scheduler's `BatchArena` (core/prefill/cache.py) and the prefill's
    cache goes back to the pool: the batch's caches are rows of one storage, attended in one
