@@ -206,3 +206,30 @@ def test_namespaces_reuse_only_their_own_blobs_and_the_shared_ones(tiny, tmp_pat
     assert not public.store.contains(public.chunk_key(CHUNKS[0]))
     assert a.chunk_key(CHUNKS[0]) != b.chunk_key(CHUNKS[0]) != engine.chunk_key(CHUNKS[0])
     engine.close()
+
+
+def test_a_prepared_request_is_what_generate_decodes(engine):
+    """engine.start is the one prefill of every run path: its first logits give generate's first
+    token, its stats are generate's prompt stats, and its limit is the window's room."""
+    from turborag_integrations.core.request import Request
+
+    engine.encode_chunks(CHUNKS)
+    prompt = "Context:\n" + CHUNKS[0] + "\n" + CHUNKS[1] + "\nQuestion: who?\nAnswer:"
+    config = GenerationConfig(max_new_tokens=12)
+    prepared = engine.start(Request(prompt, tuple(CHUNKS), config))
+    try:
+        logits = prepared.prefill.logits
+        first = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+    finally:
+        engine.cache_pool.release(prepared.prefill.cache)
+    result = engine.generate(prompt, chunks=CHUNKS, config=config)
+    assert result.token_ids[0] == first
+    for field in ("prompt_tokens", "reused_tokens", "prefilled_tokens", "cache_hits"):
+        assert getattr(prepared.stats, field) == getattr(result.stats, field)
+    assert prepared.stats.cache_hits == 2 and prepared.limit == 12
+    big = GenerationConfig(max_new_tokens=10 ** 6)
+    prepared = engine.start(Request(prompt, tuple(CHUNKS), big))
+    engine.cache_pool.release(prepared.prefill.cache)
+    assert prepared.limit == engine.context_window - prepared.position
+    with pytest.raises(ValueError, match="mode"):
+        Request(prompt, mode="fast")
