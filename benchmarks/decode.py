@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from turborag_integrations.core.decode.fast import FastDecoder, int8_available
+from turborag_integrations.core.decode.fast import FastDecoder
+from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.decode.loop import decode_loop
 from turborag_integrations.core.settings import GenerationConfig

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import byte_tokenizer, tiny_model  # noqa: E402
-from turborag_integrations.core.prefill.cache import KVCache  # noqa: E402
+from turborag_integrations.core.kv.cache import KVCache  # noqa: E402
 from turborag_integrations.core.decode.fast import FastDecoder, stock_step  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
 from turborag_integrations.core.settings import GenerationConfig  # noqa: E402

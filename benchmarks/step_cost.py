@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from turborag_integrations.core.decode.fast import best_time as best_of, gemm
+from turborag_integrations.core.decode.matmul import best_time as best_of, gemm
 from turborag_integrations.core.decode.packed import _ops
 from turborag_integrations.core.models import CATALOG, DEFAULT_MODEL, prepare_bundled
 
@@ -134,7 +134,8 @@ def step_times(source: str, rows: int, context: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from turborag_integrations.core.decode.batch import BatchedDecoder
-    from turborag_integrations.core.prefill.cache import BatchArena, KVCache
+    from turborag_integrations.core.kv.arena import BatchArena
+    from turborag_integrations.core.kv.cache import KVCache
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     decoder = BatchedDecoder.for_model(model, rows=rows)

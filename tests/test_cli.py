@@ -139,7 +139,7 @@ def test_ingest_with_an_encoder_file_keeps_it_in_the_manifest(tmp_path, docs, mo
     """--encoder FILE: chunks are encoded with it, the workspace remembers it, and a file made
     for another model is refused before any blob is written."""
     from turborag_integrations.core.models import load_model
-    from tests.core.test_encoding import encoding_for
+    from tests.core.prefill.test_encoding import encoding_for
     from tests.conftest import tiny_model
 
     path = encoding_for(load_model(model_dir, progress=False)).save(tmp_path / "enc.safetensors")

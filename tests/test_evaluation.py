@@ -90,7 +90,7 @@ def test_anchor_modes_use_sibling_engines_on_one_model(tmp_path):
 def test_encoder_modes_compare_encoders_against_one_full_prefill(tmp_path):
     """turbo#FILE and turbo#none run on siblings of the one engine: each chunk encoding gets
     blobs of its own (its fingerprint), and only the blobs differ, so the replies may."""
-    from tests.core.test_encoding import encoding_for
+    from tests.core.prefill.test_encoding import encoding_for
 
     loaded = tiny_model("llama")
     path = encoding_for(loaded, soft=3, rank=4).save(tmp_path / "enc.safetensors")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from turborag_integrations.core.adapter import apply_adapter, read_adapter, save_adapter
-from turborag_integrations.core.prefill.blob import weights_digest
+from turborag_integrations.core.kv.blob import weights_digest
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import AdapterMismatch
 from tests.conftest import tiny_model

@@ -14,7 +14,8 @@ from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
-from turborag_integrations.core.prefill.cache import BatchArena, KVCache
+from turborag_integrations.core.kv.arena import BatchArena
+from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.settings import GenerationConfig
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",

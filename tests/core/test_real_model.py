@@ -52,7 +52,7 @@ def test_bundled_model_is_unmodified_by_default(smollm2, tmp_path):
     """The query-time model is the weights as loaded: an adapter merges only when asked for."""
     from turborag_integrations.core.adapter import bundled_adapter
     from turborag_integrations.core.models import load_model
-    from turborag_integrations.core.prefill.blob import weights_digest
+    from turborag_integrations.core.kv.blob import weights_digest
 
     digest = weights_digest(smollm2.model)
     engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")

@@ -15,9 +15,9 @@ import torch
 from tests.conftest import tiny_model
 from turborag_integrations.core import attention
 from turborag_integrations.core.attention import sdpa_gqa, suffix_causal
-from turborag_integrations.core.decode.fast import int8_available
+from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.rapid import RapidEngine, Side, speculate
 from turborag_integrations.core.settings import GenerationConfig
 

@@ -15,12 +15,12 @@ Runtime needs neither peft nor training code: the file holds plain tensors.
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from .prefill.blob import weights_digest
+from . import environment
+from .kv.blob import weights_digest
 from .tensorfile import read_tensors, save_tensors
 from .errors import AdapterMismatch
 
@@ -32,11 +32,7 @@ _APPLIED = "_turborag_adapter"  # attribute set on a model an adapter was merged
 
 def bundled_adapter(model_name: str) -> Path | None:
     """The adapter shipped for a bundled model, or None."""
-    name = BUNDLED.get(model_name)
-    if name is None:
-        return None
-    path = Path(str(resources.files("turborag_integrations") / "data" / "adapters" / name))
-    return path if path.exists() else None
+    return environment.bundled_file("adapters", BUNDLED.get(model_name))
 
 
 def save_adapter(path: str | Path, deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float]],

@@ -23,7 +23,7 @@ The worker repeats:
 1. admit: while fewer than `max_batch` requests are in flight, take the next waiting request and
    prefill it alone (`engine.start`, the stitched prefill of `engine.stream`); its first token comes from the prefill's logits and is handed over at once.
    A failing prefill fails that request only. A batched request's cache is then copied into
-   the next free row of the scheduler's `BatchArena` (core/prefill/cache.py) and the prefill's
+   the next free row of the scheduler's `BatchArena` (core/kv/arena.py) and the prefill's
    cache goes back to the pool: the batch's caches are rows of one storage, attended in one
    call per layer.
 2. step: one `BatchedDecoder.step` for every batched request in flight, then each request draws
@@ -58,88 +58,27 @@ benchmarks/batching.py), and run the rest of the work on the model through `call
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
 from .decode.batch import BatchedDecoder
 from .decode.loop import decode_loop, now
 from .decode.sampling import Sampler
-from .decode.selfspec import DraftStats
 from .engine import TurboRAGEngine
-from .prefill.cache import BatchArena
+from .kv.arena import BatchArena
 from .prefill.stitch import Segment
 from .request import Request
-from .run import GenerationStats, GenerationStream, Run
+from .scheduled import ADMITTED, END, WITHDRAWN, RequestCancelled, Scheduled
+from .run import GenerationStream, Run
 from .settings import GenerationConfig
 
+__all__ = ["BatchScheduler", "RequestCancelled", "on_own_thread"]
+
 log = logging.getLogger(__name__)
-
-_ADMITTED = object()  # first item of a request's queue once its prefill is done
-_END = object()  # last item: no more tokens
-
-
-WITHDRAWN = "the request was withdrawn before its turn"
-
-
-class RequestCancelled(Exception):
-    """Raised by the stream of a request withdrawn (`submit(cancelled=...)`) before its turn."""
-
-
-class _Request:
-    """One submitted generation: the request, the channel to its consumer, and the worker's
-    decoding state (touched by the worker thread only)."""
-
-    def __init__(self, request: Request, engine: TurboRAGEngine,
-                 cancelled: threading.Event | None = None):
-        self.request, self.engine, self.config = request, engine, request.config
-        self.stats = GenerationStats(mode=request.mode)
-        self.draft_stats = DraftStats() if request.config.draft else None
-        self.out: queue.SimpleQueue = queue.SimpleQueue()  # _ADMITTED, tokens, _END or an error
-        self.cancelled = threading.Event()  # the consumer has closed its stream
-        self.withdrawn = cancelled  # the caller's event: set, it wants the request no more
-        self.released = threading.Event()  # the worker holds nothing of it any more
-        self.limit = 0
-        self.cache = None
-        self.sampler: Sampler | None = None
-        self.token = 0  # the last token handed over: the next one fed to the model
-        self.position = 0  # where that token goes
-        self.count = 0  # tokens handed over
-        self.solo: Iterator[int] | None = None  # the decode loop of an unbatched request
-        self.steps = 0  # batched steps it took part in
-        self.batch_sizes = 0  # the sum of their batch sizes
-        self.submitted = 0.0  # when it joined the queue
-
-    @property
-    def batched(self) -> bool:
-        return self.solo is None
-
-    def dropped(self) -> bool:
-        """Whether nobody wants the request's tokens any more."""
-        return self.cancelled.is_set() or (self.withdrawn is not None and self.withdrawn.is_set())
-
-    def tokens(self) -> Iterator[list[int]]:
-        """What the consumer iterates: the tokens handed over so far, in batches."""
-        while True:
-            batch = []
-            item = self.out.get()
-            while True:
-                if item is _END or isinstance(item, BaseException):
-                    if batch:
-                        yield batch
-                    if item is _END:
-                        return
-                    raise item
-                batch.append(item)
-                try:
-                    item = self.out.get_nowait()
-                except queue.Empty:
-                    break
-            yield batch
 
 
 class BatchScheduler:
@@ -154,10 +93,10 @@ class BatchScheduler:
         self.max_batch = max_batch
         # Up to max_batch caches are in use at once; keep that many in the pool, or every
         # admission pays for faulting in a fresh buffer (≈0.1 s at 4K tokens).
-        engine.cache_pool.keep = max(engine.cache_pool.keep, max_batch)
-        self._waiting: deque[_Request] = deque()
+        engine.cache_pool.keep_at_least(max_batch)
+        self._waiting: deque[Scheduled] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._active: list[_Request] = []  # worker thread only
+        self._active: list[Scheduled] = []  # worker thread only
         self.steps = 0  # batched decode steps run so far
         self.rows = 0  # the sum of their batch sizes (rows / steps: the mean batch size)
         # The model's batched decoder, looked up at each admission (the lookup checks that the
@@ -189,7 +128,7 @@ class BatchScheduler:
         if engine is not None and engine.model is not self.engine.model:
             raise ValueError("a request's engine must be a namespace of the scheduler's engine "
                              "(engine.namespaced(name)), not another model")
-        request = _Request(Request(prompt, tuple(chunks), config, mode, positions,
+        request = Scheduled(Request(prompt, tuple(chunks), config, mode, positions,
                                    encode_missing, recovery), engine or self.engine, cancelled)
         return GenerationStream(start=lambda: self._start(request))
 
@@ -231,7 +170,7 @@ class BatchScheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, request: _Request) -> Run:
+    def _start(self, request: Scheduled) -> Run:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
@@ -300,7 +239,7 @@ class BatchScheduler:
                     self._retire(request, exc)  # once per request: retired ones are skipped
                 self._active = []
 
-    def _admit(self, request: _Request) -> None:
+    def _admit(self, request: Scheduled) -> None:
         """Prefill `request` and hand over its first token; it joins the batch unless that
         token was its last. A failing prefill fails this request only."""
         engine, config = self.engine, request.config
@@ -329,11 +268,11 @@ class BatchScheduler:
                                        config, config.end_ids(engine.eos_ids),
                                        max_new_tokens=request.limit,
                                        draft_stats=request.draft_stats)
-        request.out.put(_ADMITTED)
+        request.out.put(ADMITTED)
         if self._advance(request, pre.logits):
             self._active.append(request)
 
-    def _join_arena(self, request: _Request) -> None:
+    def _join_arena(self, request: Scheduled) -> None:
         """Move a batched request's cache into the arena (one copy), so that the batched step
         attends over all rows at once, and give the prefill's cache back to the pool."""
         cache = request.cache
@@ -345,7 +284,7 @@ class BatchScheduler:
         request.cache = self._arena.join(cache, room=request.limit + 1)
         self.engine.cache_pool.release(cache)
 
-    def _advance(self, request: _Request, logits: torch.Tensor | None) -> bool:
+    def _advance(self, request: Scheduled, logits: torch.Tensor | None) -> bool:
         """Hand over `request`'s next token (drawn from `logits`, or from its own decode loop);
         retire it and return False when it has no more."""
         try:
@@ -394,17 +333,18 @@ class BatchScheduler:
                 keep.append(request)
         self._active = keep
 
-    def _row(self, request: _Request) -> int:
-        storage = request.cache.storage
-        return storage.row if getattr(storage, "arena", None) is self._arena else -1
+    def _row(self, request: Scheduled) -> int:
+        arena = self._arena
+        return arena.row_of(request.cache) if arena is not None and arena.holds(request.cache) \
+            else -1
 
-    def _retire_if_cancelled(self, request: _Request) -> bool:
+    def _retire_if_cancelled(self, request: Scheduled) -> bool:
         if request.dropped():
             self._retire(request)
             return True
         return False
 
-    def _retire(self, request: _Request, error: BaseException | None = None) -> None:
+    def _retire(self, request: Scheduled, error: BaseException | None = None) -> None:
         """Give the request's cache back and end its stream (with `error`, if any)."""
         if request.released.is_set():
             return
@@ -419,7 +359,7 @@ class BatchScheduler:
         if request.steps:
             request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps
         request.released.set()
-        request.out.put(error if error is not None else _END)
+        request.out.put(error if error is not None else END)
 
 
 T = TypeVar("T")

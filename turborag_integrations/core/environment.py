@@ -84,3 +84,14 @@ def workspace_dir() -> Path:
 def vllm_python() -> Path | None:
     """`TURBORAG_VLLM_PYTHON`: the python of a venv with vLLM and this package."""
     return _path("TURBORAG_VLLM_PYTHON")
+
+
+def bundled_file(folder: str, name: str | None) -> Path | None:
+    """A file the package ships under `turborag_integrations/data/<folder>/` (an encoder, an
+    adapter), or None when `name` is None or the file is not installed."""
+    if name is None:
+        return None
+    from importlib import resources
+
+    path = Path(str(resources.files("turborag_integrations") / "data" / folder / name))
+    return path if path.exists() else None

@@ -171,7 +171,7 @@ REFERENCE_MODES = {"naive-rotated": "naive", "turbo-oracle": "turbo"}
 def oracle_segments(engine, prompt: str, chunks: Sequence[str]) -> list:
     """The engine's segments of `prompt`, each stored blob (chunks, separators, the head)
     replaced by the slice of a full causal prefill of the prompt at its place."""
-    from ..core.prefill.blob import KVBlob
+    from ..core.kv.blob import KVBlob
     from ..core.prefill.stitch import Segment, plan_prompt
 
     segments, _, _ = engine.segments(prompt, chunks)

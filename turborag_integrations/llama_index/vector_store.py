@@ -25,7 +25,7 @@ from llama_index.core.vector_stores.types import (BasePydanticVectorStore, Metad
 from ..core.registry import ChunkRegistry
 from .nodes import KV_KEY_METADATA, hide_kv_key, llm_text
 from ..core.store.namespaces import namespaced_collection
-from .wiring import EngineBound, resolve_engine  # noqa: F401  (importable here as before)
+from .wiring import EngineBound
 
 log = logging.getLogger(__name__)
 

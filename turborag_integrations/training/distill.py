@@ -29,7 +29,7 @@ import torch
 
 from ..core.models import load_model
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.blob import fingerprint_model
+from ..core.kv.blob import fingerprint_model
 from ..core.prefill.encoding import LearnedEncoding, new_lora
 from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
 from ..evaluation.harness import load_items

@@ -29,7 +29,7 @@ import torch
 
 from ..core.adapter import save_adapter
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.blob import weights_digest
+from ..core.kv.blob import weights_digest
 from ..core.models import load_model
 from ..evaluation.harness import load_items
 from .collator import (TurboRAGCollator, add_doc_tokens, answer_loss, build_example,

@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..core.prefill.anchor import DEFAULT_ANCHOR
-from ..core.prefill.blob import Fingerprint
+from ..core.kv.blob import Fingerprint
 from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
 from ..core.prefill.token_spans import non_overlapping

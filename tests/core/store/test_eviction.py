@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from turborag_integrations.core.prefill.blob import Fingerprint, KVBlob
+from turborag_integrations.core.kv.blob import Fingerprint, KVBlob
 from turborag_integrations.core.store import KVStore, budget
 from turborag_integrations.core.store.access import AccessLog
 from turborag_integrations.core.store.budget import parse_size

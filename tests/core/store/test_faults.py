@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from turborag_integrations.core.prefill.blob import ChunkEncoder, KVBlob, fingerprint_model
+from turborag_integrations.core.prefill.chunk_encoder import ChunkEncoder
+from turborag_integrations.core.kv.blob import KVBlob, fingerprint_model
 from turborag_integrations.core.store import KVStore, StoreWriteError
 from turborag_integrations.core.store.files import write_atomically
 from tests.conftest import tiny_model

@@ -11,7 +11,7 @@ import xxhash
 from safetensors.torch import save as st_save
 
 from turborag_integrations.core.errors import BlobCorrupted
-from turborag_integrations.core.prefill.blob import Fingerprint, KVBlob
+from turborag_integrations.core.kv.blob import Fingerprint, KVBlob
 from turborag_integrations.core.store import KVStore, codec, format
 from tests.core.store.bounds import assert_within_storage_bound
 

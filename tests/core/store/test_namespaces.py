@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from turborag_integrations.core.prefill.blob import chunk_key
+from turborag_integrations.core.kv.blob import chunk_key
 from turborag_integrations.core.store import KVStore
 from tests.core.store.test_redis_tier import RedisServer
 from tests.core.store.test_tiers import FP, make_blob

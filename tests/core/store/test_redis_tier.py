@@ -19,7 +19,7 @@ import redis
 import torch
 
 from turborag_integrations.core.errors import BlobCorrupted
-from turborag_integrations.core.prefill.blob import KVBlob
+from turborag_integrations.core.kv.blob import KVBlob
 from turborag_integrations.core.store import KVStore
 from turborag_integrations.core.store.redis_tier import RedisTier
 # The contract test every tier passes, collected here again with the `tier` fixture below.

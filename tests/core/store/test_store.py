@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from turborag_integrations.core.prefill.blob import ChunkEncoder, fingerprint_model
+from turborag_integrations.core.prefill.chunk_encoder import ChunkEncoder
+from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.store import KVStore
 from tests.conftest import tiny_model
 from tests.core.store.bounds import KEY_GROUP, assert_within_storage_bound
@@ -100,7 +101,7 @@ def test_memory_tier_is_bounded_in_bytes(tmp_path, blobs):
 
 def test_hot_blobs_survive_a_one_off_scan(tmp_path, blobs):
     fp, (hot, *_) = blobs
-    from turborag_integrations.core.prefill.blob import KVBlob
+    from turborag_integrations.core.kv.blob import KVBlob
     store = KVStore(tmp_path, memory_bytes=hot.nbytes * 3)
     hot_key = store.put(hot)
     for _ in range(3):
@@ -157,7 +158,7 @@ def test_storage_dtypes_decode_to_model_dtype(tmp_path, blobs, storage_dtype):
 def test_int8_key_groups_span_many_tokens(tmp_path):
     """Keys of more than one 64-token group (the last one partial) stay within the bound of
     their own group; the bound's grouping is the codec's."""
-    from turborag_integrations.core.prefill.blob import Fingerprint, KVBlob
+    from turborag_integrations.core.kv.blob import Fingerprint, KVBlob
     from turborag_integrations.core.store import codec
 
     assert KEY_GROUP == codec.KEY_GROUP

@@ -4,7 +4,7 @@ closing a store stops its prefetch threads."""
 import pytest
 import torch
 
-from turborag_integrations.core.prefill.blob import Fingerprint, KVBlob
+from turborag_integrations.core.kv.blob import Fingerprint, KVBlob
 from turborag_integrations.core.store import KVStore, StoreClosedError
 from turborag_integrations.core.store.disk import DiskTier
 from turborag_integrations.core.store.memory import MemoryTier

@@ -17,7 +17,7 @@ from its single-request logits in the last bits (another summation order; ≤1e-
 tests, and greedy tokens equal).
 
 Two things make a step of B > 1 rows cheaper than B one-row steps beyond the shared weight read:
-- caches that are the rows in use of one `BatchArena` (core/prefill/cache.py; the scheduler
+- caches that are the rows in use of one `BatchArena` (core/kv/arena.py; the scheduler
   keeps its batch there) are attended in one call per layer, each row masked to its own length,
   and their new keys and values are written in one indexed store per layer, instead of one
   update and one attention call per request and layer (caches of any other kind still get
@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from ..kv.arena import BatchArena
 from .fast import FastDecoder
 from .packed import PackedLinears
 
@@ -68,7 +69,7 @@ class BatchedDecoder:
             raise ValueError("a batched step needs at least one request")
         if len(caches) == 1:
             return self._run(tokens, positions, self._attend_one(caches[0]), None)
-        arena = _arena_of(caches)
+        arena = BatchArena.of(caches)
         if arena is None:
             return self._run(tokens, positions, self._attend_each(caches), self.packed)
         # the arena's rows in row order; the logits go back in the caller's order
@@ -91,7 +92,7 @@ class BatchedDecoder:
         position_ids = torch.tensor([[p] for p in positions], device=device)
         apply = packed.apply if packed is not None else None
         hidden = fast.run_layers(ids, position_ids, attend, apply)
-        return (apply or fast._apply)(hidden, fast.lm_head)[:, -1]
+        return (apply or fast.apply)(hidden, fast.lm_head)[:, -1]
 
     def _attend_one(self, cache):
         attention = self.fast.attention
@@ -122,36 +123,20 @@ class BatchedDecoder:
     def _attend_arena(self, arena):
         """Attention for every row in use of `arena` (row i's query in row i): one indexed
         write of the new keys/values and one masked attention call per layer."""
-        caches = arena.caches
-        b = len(caches)
-        lengths = [c.length for c in caches]  # where each row's new token goes
+        lengths = [c.length for c in arena.caches]  # where each row's new token goes
         span = max(lengths) + 1
         arena.reserve(span)
         device = arena.k.device
-        rows = torch.arange(b, device=device)
         at = torch.tensor(lengths, device=device)
         # row i attends to its first lengths[i] + 1 positions; the others weigh exactly 0
-        mask = torch.zeros(b, 1, 1, span, dtype=arena.k.dtype, device=device)
+        mask = torch.zeros(len(lengths), 1, 1, span, dtype=arena.k.dtype, device=device)
         mask.masked_fill_(torch.arange(span, device=device) > at[:, None, None, None],
                           float("-inf"))
         attention = self.fast.attention
 
         def attend(L, q, k, v):
-            keys, values = arena.k[L.idx], arena.v[L.idx]  # [rows, heads, capacity, dim]
-            keys[rows, :, at] = k[:, :, 0]
-            values[rows, :, at] = v[:, :, 0]
-            for c in caches:
-                c.layers[L.idx].length += 1
-            return attention(L.attn, q.contiguous(), keys[:b, :, :span], values[:b, :, :span],
-                             mask, dropout=0.0, scaling=L.attn.scaling)[0]
+            keys, values = arena.append_token(L.idx, k, v, at, span)
+            return attention(L.attn, q.contiguous(), keys, values, mask, dropout=0.0,
+                             scaling=L.attn.scaling)[0]
 
         return attend
-
-
-def _arena_of(caches):
-    """The `BatchArena` whose rows in use are exactly `caches` (in any order), else None."""
-    arena = getattr(getattr(caches[0], "storage", None), "arena", None)
-    if arena is None or arena.in_use != len(caches) \
-            or {id(c) for c in caches} != {id(c) for c in arena.caches}:
-        return None
-    return arena

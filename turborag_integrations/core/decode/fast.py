@@ -9,31 +9,9 @@ embedding, RMSNorm modules, transformers' `apply_rotary_pos_emb`, the cache's `u
 attention function transformers would pick, `act_fn`), with the Linear layers applied to their own
 weights. No transformers module is patched: the fast path only reads the model.
 
-How a Linear layer is applied (`matmul`):
-- "linear": `F.linear`, the stock arithmetic: fp32 logits bit-identical to the stock forward's
-  (tested).
-- "gemm": weight @ xᵀ with the single row duplicated (`gemm`). PyTorch's one-row path reads the
-  weights at about half the bandwidth a two-column matrix product reaches on the CPUs measured,
-  so a step over 4K tokens of context drops from ≈67 ms to ≈43 ms on SmolLM2; logits differ
-  from stock in the last bits (≤1e-5 relative; greedy tokens equal in the tests).
-- "auto" (default): whichever of the two is faster on the model's lm_head, timed once per model.
-`forward(tokens)` feeds several tokens in one pass (verification of drafts): they attend to the
-cache and causally to each other through RAPID's split attention, without a mask. Its Linear
-layers have their own choice (`rows_matmul`; "auto" times both on the lm_head with a few rows):
-PyTorch's few-row fp32 product runs far below the machine's arithmetic rate on the AVX2 CPUs
-measured, so on Qwen2.5-1.5B a 5-token forward cost ≈2.5 one-token steps with F.linear (1
-thread) and "gemm" computes it in about half the time of F.linear on the lm_head. Either way
-the result differs from one-token steps only in the last bits.
+How each Linear layer is applied — F.linear, a duplicated-row matrix product, or an int8 or
+bf16 copy of its weights — is core/decode/matmul.py's.
 
-Optionally the Linear layers (lm_head included; `skip` leaves parts such as "lm_head" in full
-precision) run on reduced-precision copies, built once per model:
-- `quantize="int8"`: torch.ao dynamic quantisation (int8 weights with per-output-channel scales,
-  activations quantised per token at run time, fused q/k/v and gate/up projections): ≈4x fewer
-  weight bytes, ≈2x faster steps at 4K context. On SmolLM2-135M the greedy answers drift from
-  fp32 (identical on a minority of short RAG prompts; see benchmarks/decode.py): per-token
-  uint8 activations are coarse for a model this small.
-- `quantize="bf16"`: bf16 weights, fp32 in/out: answers closer to fp32, faster only on CPUs with
-  native bf16.
 The KV cache stays in the model's dtype and attention is unchanged; prefill stays in full
 precision, so only decoded tokens see the reduced-precision weights. To keep full-precision
 answers, use the quantised copy as a drafter instead (core/decode/selfspec.py).
@@ -49,8 +27,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
-import warnings
 import weakref
 from typing import Sequence
 
@@ -61,6 +37,8 @@ from .. import environment
 from ..settings import QUANTIZE_MODES, check_choice
 from ..attention import split_attention
 from ..transformers_api import with_cache
+from .matmul import (MATMUL_MODES, VERIFY_ROWS, Bf16Linear, gemm, int8_available, int8_linear,
+                     pick_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -106,101 +84,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def int8_available() -> bool:
-    try:
-        from torch.ao.nn.quantized.dynamic import Linear  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the torch build
-        return False
-    return "fbgemm" in torch.backends.quantized.supported_engines or \
-        "x86" in torch.backends.quantized.supported_engines
-
-
-def _int8_linear(weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
-    """An int8 dynamic-quantised Linear over the rows of several fp32 Linear layers (fused)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    weight = torch.cat([w.detach().float() for w in weights]) if len(weights) > 1 else weights[0].detach().float()
-    has_bias = any(b is not None for b in biases)
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if has_bias:
-            lin.bias.copy_(torch.cat([b.detach().float() if b is not None else
-                                      torch.zeros(w.shape[0]) for w, b in zip(weights, biases)]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear: per_channel_dynamic_qconfig},
-                             dtype=torch.qint8)[0]
-    return q
-
-
-class _Bf16Linear(torch.nn.Module):
-    """fp32 in and out, bf16 weights (and inputs) inside: half the weight bytes of fp32."""
-
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                 matmul: str = "linear"):
-        super().__init__()
-        self.weight = torch.cat([w.detach() for w in weights]).to(torch.bfloat16).contiguous()
-        has_bias = any(b is not None for b in biases)
-        self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
-                               for w, b in zip(weights, biases)]) if has_bias else None
-        self.matmul = gemm if matmul == "gemm" else F.linear
-
-    def forward(self, x):
-        y = self.matmul(x.to(torch.bfloat16), self.weight).float()
-        return y if self.bias is None else y + self.bias
-
-
-MATMUL_MODES = ("auto", "linear", "gemm")
-VERIFY_ROWS = 5  # a typical verification: the pending token and 4 drafts
-
-
-def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a few rows of x, computed as weight @ xᵀ.
-
-    On the CPUs measured, PyTorch's matrix-vector path for one row reads the weights at about
-    half the memory bandwidth that a matrix-matrix product with two columns reaches (whole
-    SmolLM2-135M, 2 threads: 47 ms against 21 ms), so a single row is duplicated into two.
-    Results differ from F.linear in the last bits (another summation order).
-    """
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1:
-        y = torch.mm(weight, rows.expand(2, -1).contiguous().t())[:, :1].t()
-    else:
-        y = torch.mm(weight, rows.t()).t()
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    """The best of `repeats` timings of `fn()`, after one call to warm it up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _pick_matmul(weight: torch.Tensor, rows: int = 1) -> str:
-    """"gemm" where it is clearly faster than F.linear for `rows` rows on this machine, else
-    "linear"; timed once on the model's largest weight. On accelerators (where the few-row
-    path is not the bottleneck and timing needs synchronisation) always "linear"."""
-    if weight.device.type != "cpu":
-        return "linear"
-
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    with torch.inference_mode():
-        t_linear = best_time(lambda: F.linear(x, weight))
-        t_gemm = best_time(lambda: gemm(x, weight))
-    choice = "gemm" if t_gemm < 0.9 * t_linear else "linear"
-    log.debug("decode matmul, %d row(s): %s (linear %.2f ms, gemm %.2f ms)", rows, choice,
-              t_linear * 1e3, t_gemm * 1e3)
-    return choice
-
-
 class _Layer:
     __slots__ = ("idx", "ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up",
                  "act", "attn", "rotary_fn")
@@ -228,9 +111,9 @@ class FastDecoder:
         # are timed apart: which product is faster differs between the two
         head = (model.lm_head.weight.detach() if quantize != "bf16"
                 else model.lm_head.weight.detach().to(torch.bfloat16))
-        self.rows_matmul = _pick_matmul(head, VERIFY_ROWS) if matmul == "auto" else matmul
+        self.rows_matmul = pick_matmul(head, VERIFY_ROWS) if matmul == "auto" else matmul
         if matmul == "auto":
-            matmul = _pick_matmul(head)
+            matmul = pick_matmul(head)
         self.matmul = matmul
         config = model.config
         inner = model.model
@@ -257,8 +140,8 @@ class FastDecoder:
             entry.q, entry.k, entry.v, entry.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
             entry.gate, entry.up, entry.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
             entry.qkv = entry.gate_up = None
-            make = _int8_linear if quantize == "int8" else \
-                (lambda w, b: _Bf16Linear(w, b, self.matmul))
+            make = int8_linear if quantize == "int8" else \
+                (lambda w, b: Bf16Linear(w, b, self.matmul))
             if "qkv" in q8:
                 entry.qkv = make([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
                                  [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
@@ -277,9 +160,9 @@ class FastDecoder:
             config._attn_implementation, modeling.eager_attention_forward)
         self.lm_head = model.lm_head
         if quantize is not None and "lm_head" not in skip:
-            self.lm_head = (_int8_linear([model.lm_head.weight], [model.lm_head.bias])
+            self.lm_head = (int8_linear([model.lm_head.weight], [model.lm_head.bias])
                             if quantize == "int8" else
-                            _Bf16Linear([model.lm_head.weight], [model.lm_head.bias],
+                            Bf16Linear([model.lm_head.weight], [model.lm_head.bias],
                                         self.matmul))
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
@@ -323,7 +206,7 @@ class FastDecoder:
             _decoders.pop(model, None)
 
     # ---- steps ------------------------------------------------------------------------------
-    def _apply(self, x, module, matmul: str | None = None):
+    def apply(self, x, module, matmul: str | None = None):
         if type(module) is torch.nn.Linear:
             if (matmul or self.matmul) == "gemm":
                 return gemm(x, module.weight, module.bias)
@@ -372,8 +255,8 @@ class FastDecoder:
         split_mlp = (self.intermediate, self.intermediate)
         if apply is None and n > 1 and self.rows_matmul != self.matmul:  # tokens of one sequence
             def apply(x, module, _matmul=self.rows_matmul):
-                return self._apply(x, module, _matmul)
-        apply = apply or self._apply
+                return self.apply(x, module, _matmul)
+        apply = apply or self.apply
         for L in self.layers:
             residual = h
             x = L.ln1(h)
@@ -398,14 +281,14 @@ class FastDecoder:
 
     def step(self, token: int, position: int, cache) -> torch.Tensor:
         """Logits [vocab] of the next token after feeding `token` at `position`."""
-        return self._apply(self.hidden((token,), position, cache), self.lm_head)[0, -1]
+        return self.apply(self.hidden((token,), position, cache), self.lm_head)[0, -1]
 
     __call__ = step
 
     def forward(self, tokens: Sequence[int], position: int, cache) -> torch.Tensor:
         """Logits [k, vocab] after each of `tokens` fed from `position` (a verification)."""
         matmul = self.rows_matmul if len(tokens) > 1 else self.matmul
-        return self._apply(self.hidden(tokens, position, cache), self.lm_head, matmul)[0]
+        return self.apply(self.hidden(tokens, position, cache), self.lm_head, matmul)[0]
 
 
 def stock_step(model, token: int, position: int, cache) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .. import environment
 from ..settings import check_choice
-from .fast import best_time
+from .matmul import best_time
 
 log = logging.getLogger(__name__)
 

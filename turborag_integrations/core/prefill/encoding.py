@@ -39,6 +39,7 @@ from typing import Iterator
 
 import torch
 
+from .. import environment
 from ..errors import EncoderMismatch
 from ..tensorfile import read_tensors, save_tensors
 
@@ -272,10 +273,5 @@ BUNDLED = {"smollm2-135m-instruct": "smollm2-135m-instruct.safetensors"}  # unde
 
 
 def bundled_encoder(model_name: str) -> Path | None:
-    from importlib import resources
-
-    name = BUNDLED.get(model_name)
-    if name is None:
-        return None
-    path = Path(str(resources.files("turborag_integrations") / "data" / "encoders" / name))
-    return path if path.exists() else None
+    """The encoder file shipped for a bundled model, or None."""
+    return environment.bundled_file("encoders", BUNDLED.get(model_name))

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .blob import KVBlob
+from ..kv.blob import KVBlob
 from .stitch import CachedSpan, StitchPlan
 
 

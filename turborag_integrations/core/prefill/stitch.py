@@ -31,8 +31,8 @@ from typing import Literal, Sequence
 import torch
 
 from ..attention import sdpa_gqa
-from .blob import Fingerprint, KVBlob
-from .cache import CachePool, KVCache
+from ..kv.blob import Fingerprint, KVBlob
+from ..kv.cache import CachePool, KVCache
 from ..errors import ContextWindowError
 from ..settings import POSITION_MODES, check_choice
 from .rope import KeyRotator

@@ -30,8 +30,8 @@ from ..decode.loop import decode_loop, eos_token_ids, now
 from ..decode.selfspec import DraftStats
 from ..engine import TurboRAGEngine
 from ..errors import ContextWindowError, ModelError
-from ..prefill.blob import KVBlob
-from ..prefill.cache import KVCache
+from ..kv.blob import KVBlob
+from ..kv.cache import KVCache
 from ..prefill.stitch import Prefill, Segment
 from ..request import new_token_limit, reserve_slots
 from ..run import GenerationResult, GenerationStream, Run, RunStats

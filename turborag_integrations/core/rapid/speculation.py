@@ -30,7 +30,7 @@ import torch
 from ..attention import sdpa_gqa, suffix_causal
 from ..decode.fast import FastDecoder, unsupported_reason
 from ..decode.sampling import AcceptRule, accept_drafts, first_token, sample
-from ..prefill.cache import KVCache
+from ..kv.cache import KVCache
 from ..settings import GenerationConfig, SpeculationConfig
 from ..transformers_api import with_cache
 

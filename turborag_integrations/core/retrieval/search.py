@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 from .embedding import load_embedder
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BlobCorrupted
-from ..prefill.blob import Fingerprint, KVBlob
+from ..kv.blob import Fingerprint, KVBlob
 from . import format
 
 STORAGE_DTYPES = ("native", "float32", "bfloat16", "float16", "int8")

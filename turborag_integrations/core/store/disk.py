@@ -7,7 +7,7 @@ Layout under the store's root:
   prefixes), under their own, smaller bound;
 - `access.log`: reads of blobs by every process, for eviction (`.access`);
 - `maintenance.lock`: held by an eviction pass (`.eviction`);
-- `docs/`, `refs/`: which documents use which blob.
+- `docs/`, `refs/`: which documents use which blob (`.docrefs`).
 
 When a blob is verified: its checksum (of header and data, `.format`) is checked on the first
 read of each version of its file — (inode, size, modification time) — in each process, and
@@ -35,12 +35,11 @@ import threading
 import time
 from pathlib import Path
 
-import xxhash
-
-from ..prefill.blob import KVBlob
+from ..kv.blob import KVBlob
 from ..errors import BlobCorrupted, TurboRAGError
 from . import budget, codec, eviction, format
 from .access import AccessLog
+from .docrefs import DocumentRefs
 from .files import TEMP_PREFIX, write_atomically
 from .tier import Tier
 
@@ -81,6 +80,7 @@ class DiskTier(Tier):
             (self.root / folder).mkdir(parents=True, exist_ok=True)
         self._verified: dict[str, tuple[int, int, int]] = {}
         self._access = AccessLog(self.root / "access.log")
+        self._refs = DocumentRefs(self.root)
         self._lock_path = self.root / "maintenance.lock"
         # Bytes held per kind, counted by a scan on first need, then kept up to date with this
         # process's writes and deletes; an eviction pass counts again. Others' writes show up at
@@ -336,41 +336,17 @@ class DiskTier(Tier):
     def close(self) -> None:
         self._access.flush()
 
-    # ---- document references: which documents use which blob ------------------------------
-    # Blobs are content-addressed, so two documents can share one. Each (document, blob) pair is
-    # an empty marker file in both directions; a blob goes when its last document goes. Marker
-    # files keep this safe across processes without a database.
-    def _doc_dir(self, doc_id: str) -> Path:
-        return self.root / "docs" / xxhash.xxh3_64_hexdigest(doc_id.encode())
-
+    # ---- document references (.docrefs) ----------------------------------------------------
     def add_ref(self, key: str, doc_id: str) -> None:
-        doc = self._doc_dir(doc_id)
-        ref = self.root / "refs" / key
-        doc.mkdir(parents=True, exist_ok=True)
-        ref.mkdir(parents=True, exist_ok=True)
-        (doc / key).touch()
-        (ref / doc.name).touch()
+        self._refs.add(key, doc_id)
 
     def keys_of_doc(self, doc_id: str) -> list[str]:
-        doc = self._doc_dir(doc_id)
-        return sorted(p.name for p in doc.iterdir()) if doc.exists() else []
+        return self._refs.keys_of(doc_id)
 
     def delete_doc(self, doc_id: str) -> list[str]:
         """Drop a document's references; delete the blobs no other document uses. Returns the
         keys deleted."""
-        doc = self._doc_dir(doc_id)
-        deleted = []
-        for key in self.keys_of_doc(doc_id):
-            ref_dir = self.root / "refs" / key
-            (ref_dir / doc.name).unlink(missing_ok=True)
-            (doc / key).unlink(missing_ok=True)
-            if not any(ref_dir.iterdir()):
-                ref_dir.rmdir()
-                if self.delete(key):
-                    deleted.append(key)
-        if doc.exists() and not any(doc.iterdir()):
-            doc.rmdir()
-        return deleted
+        return [key for key in self._refs.drop(doc_id) if self.delete(key)]
 
     def sweep_temp(self, older_than_s: float = 3600.0) -> int:
         """Remove temp files of writers that died mid-write. Young ones may belong to a live

@@ -32,7 +32,7 @@ import torch
 import xxhash
 from safetensors.torch import save as st_save
 
-from ..prefill.blob import Fingerprint, KVBlob
+from ..kv.blob import Fingerprint, KVBlob
 from ..errors import BlobCorrupted
 
 MAGIC = "turborag-kv"

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ..prefill.blob import KVBlob
+from ..kv.blob import KVBlob
 from .tier import Tier
 
 

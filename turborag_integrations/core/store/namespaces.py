@@ -1,7 +1,7 @@
 """Namespaces: one store, many tenants, and no blob of one reachable from another.
 
 A namespace is a name (a tenant, optionally split further by a cache salt; "" is the default
-namespace, today's single one). It enters a blob's key twice (`prefill.blob.chunk_key`): the
+namespace, today's single one). It enters a blob's key twice (`kv.blob.chunk_key`): the
 name is digested with the chunk's tokens, so the same text has an unrelated key in every
 namespace, and the namespace's tag ends the key (`<digest>-<tag>`; default keys have no tag), so
 a store can tell a key of another namespace without reading anything.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..prefill.blob import namespace_tag
+from ..kv.blob import namespace_tag
 
 FOLDER = "namespaces"
 MAX_NAMESPACE_CHARS = 256

@@ -50,7 +50,7 @@ except ImportError as exc:
                       "'turborag-integrations[redis]' (or pip install 'redis>=5')") from exc
 
 from ..errors import BlobCorrupted
-from ..prefill.blob import KVBlob
+from ..kv.blob import KVBlob
 from . import codec, format
 from .tier import Tier
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
-from ..prefill.blob import KVBlob
+from ..kv.blob import KVBlob
 
 __all__ = ["Tier", "owned_copy"]
 

@@ -8,7 +8,7 @@ import torch
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import EncoderMismatch
 from turborag_integrations.core.prefill.anchor import anchor_ids
-from turborag_integrations.core.prefill.blob import fingerprint_model
+from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.prefill.encoding import LearnedEncoding, new_lora
 from turborag_integrations.core.prefill.stitch import Segment
 from turborag_integrations.training.distill import make_example, student_logits

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from turborag_integrations.core.prefill.cache import KVCache
-from turborag_integrations.core.decode.fast import int8_available
+from turborag_integrations.core.kv.cache import KVCache
+from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.decode.loop import decode_loop
 from turborag_integrations.core.settings import GenerationConfig

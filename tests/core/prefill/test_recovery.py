@@ -10,7 +10,7 @@ from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Comb
                                                  value_deviation)
 from turborag_integrations.core.prefill.rope import KeyRotator
 from turborag_integrations.core.prefill.stitch import Segment, plan_prompt, prefill
-from tests.core.test_stitch import LAYOUTS, build
+from tests.core.prefill.test_stitch import LAYOUTS, build
 
 
 def full_causal_logits(model, plan):

@@ -10,14 +10,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from turborag_integrations.core.prefill.cache import KVCache
+from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import LoadedModel
-from turborag_integrations.core.rapid import (
-    RapidEngine, Side, Verdict, VocabularyMismatch, accept_drafts, augmented_probs,
-    residual_probs, speculate, target_greedy)
+from turborag_integrations.core.decode.sampling import (Verdict, accept_drafts, augmented_probs,
+                                                        residual_probs)
+from turborag_integrations.core.rapid import (RapidEngine, Side, VocabularyMismatch, speculate,
+                                              target_greedy)
 from turborag_integrations.core.attention import split_attention, suffix_causal
 from tests.conftest import byte_tokenizer, tiny_model
 
@@ -538,7 +539,8 @@ def test_given_chunks_reach_the_drafter_in_document_order(target):
 # ---- speed switches: a cheaper drafter, adaptive draft length, the reference context ----------
 
 def test_int8_drafter_keeps_eta0_lossless(pair):
-    from turborag_integrations.core.decode.fast import FastDecoder, int8_available
+    from turborag_integrations.core.decode.fast import FastDecoder
+    from turborag_integrations.core.decode.matmul import int8_available
 
     if not int8_available():
         pytest.skip("no int8 dynamic quantisation in this torch build")

@@ -1,10 +1,10 @@
 """Separators between chunks: their in-context token ids, and stored when chunks are encoded."""
 
 from turborag_integrations.core.engine import TurboRAGEngine
-from turborag_integrations.core.prefill.blob import chunk_key
+from turborag_integrations.core.kv.blob import chunk_key
 from turborag_integrations.core.prefill.separators import separator_ids
 
-from ..conftest import byte_tokenizer, tiny_model
+from tests.conftest import byte_tokenizer, tiny_model
 
 
 def test_separator_ids_are_those_of_a_whole_prompt_not_of_the_text_alone():

@@ -4,7 +4,8 @@ segmentation never loses, duplicates or reorders text."""
 import pytest
 import torch
 
-from turborag_integrations.core.prefill.blob import ChunkEncoder, fingerprint_model
+from turborag_integrations.core.prefill.chunk_encoder import ChunkEncoder
+from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.errors import ContextWindowError, FingerprintMismatch
 from turborag_integrations.core.prefill.rope import KeyRotator
 from turborag_integrations.core.prefill.segment import split_prompt
@@ -208,7 +209,7 @@ def test_trailing_chunk_is_prefilled(tiny_llama):
 
 def test_cache_grown_during_a_forward_can_be_reused(tiny_llama):
     """Storage that grew under inference mode must stay writable when the pool hands it out."""
-    from turborag_integrations.core.prefill.cache import CachePool
+    from turborag_integrations.core.kv.cache import CachePool
 
     pool = CachePool()
     cache = pool.acquire(tiny_llama.model, capacity=4)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_model
-from tests.core.test_stitch import (ANCHOR, LAYOUTS, assert_cache_equals_masked_forward,
+from tests.core.prefill.test_stitch import (ANCHOR, LAYOUTS, assert_cache_equals_masked_forward,
                                     assert_logits_equal_masked_forward, build)
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import UnsupportedRopeError

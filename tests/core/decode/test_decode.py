@@ -8,9 +8,9 @@ from transformers import DynamicCache
 from transformers import GenerationConfig as HFGenerationConfig
 
 from tests.conftest import tiny_model
-from turborag_integrations.core.prefill.cache import KVCache
-from turborag_integrations.core.decode.fast import (FastDecoder, gemm, int8_available, stock_step,
-                                               unsupported_reason)
+from turborag_integrations.core.kv.cache import KVCache
+from turborag_integrations.core.decode.fast import FastDecoder, stock_step, unsupported_reason
+from turborag_integrations.core.decode.matmul import gemm, int8_available
 from turborag_integrations.core.decode.loop import decode_loop, step_function
 from turborag_integrations.core.settings import GenerationConfig
 

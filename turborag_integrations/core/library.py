@@ -1,0 +1,216 @@
+"""The engine's chunk library: what ingestion stores and what a prompt's assembly finds.
+
+Keys, encoding and storing chunk blobs (`encode_chunks`, `prepare_chunks`), finding them in the
+engine's namespace and then in the shared ones (`blob_for`), the plain blobs of prompt heads
+(`prefix_blob`), the stock separators between chunks, and keeping a blob made while answering
+(`keep`). `TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the
+library needs only the two chunk encoders and a store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+import xxhash
+
+from .errors import EmptyChunkError
+from .prefill.chunk_encoder import ChunkEncoder
+from .kv.blob import Fingerprint, KVBlob
+from .prefill.separators import separator_ids
+from .store import KVStore, StoreWriteError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ChunkLibrary"]
+
+
+class ChunkLibrary:
+    """Chunk and prompt-head blobs of one namespace of a store; see the module docstring.
+
+    `encoder` encodes chunks (after the anchor, with the learned encoding if any);
+    `prefix_encoder` encodes prompt heads plain, at 0..n−1, as a full prefill does. A view in
+    another namespace (`TurboRAGEngine.namespaced`) shares the encoders and the separators of
+    its root and binds its own store (`_bind`).
+    """
+
+    def __init__(self, encoder: ChunkEncoder, prefix_encoder: ChunkEncoder, store: KVStore,
+                 shared: "tuple[ChunkLibrary, ...]" = ()):
+        self.encoder, self.prefix_encoder = encoder, prefix_encoder
+        # The fingerprint of chunk blobs (model setup + anchor + encoder), and of prefix blobs.
+        self.fingerprint: Fingerprint = encoder.fingerprint
+        self.prefix_fingerprint: Fingerprint = prefix_encoder.fingerprint
+        self._separators: dict[tuple[int, ...], KVBlob] | None = None
+        self._bind(store, shared)
+
+    def _bind(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]") -> None:
+        """Point this engine (or a view of it) at one namespace's store."""
+        self.store = store
+        self.namespace = store.namespace_name
+        self._shared = shared
+        self._keys: dict[str, str] = {}
+        self._keys_lock = threading.Lock()
+        self._separator_keys: list[str] | None = None
+
+    def chunk_key(self, text: str) -> str:
+        """Key of the (anchored) blob of a chunk."""
+        return self._key(text, self.encoder)
+
+    def _key(self, text: str, encoder: ChunkEncoder) -> str:
+        # Retrieved chunks and prompt heads come back query after query; remember their keys
+        # rather than tokenizing 4K tokens of text again on the TTFT path.
+        digest = encoder.fingerprint.encoding + "|" + xxhash.xxh3_128_hexdigest(text.encode())
+        key = self._keys.get(digest)
+        if key is None:
+            key = self.store.key(encoder.fingerprint, encoder.tokenize(text))
+            with self._keys_lock:
+                if len(self._keys) >= 65536:
+                    self._keys.pop(next(iter(self._keys)))
+                self._keys[digest] = key
+        return key
+
+    def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Encode and store the blobs of `texts` (skipping those already stored); return keys."""
+        ids = [self.encoder.tokenize(t) for t in texts]
+        keys = [self.store.key(self.fingerprint, i) for i in ids]
+        first: dict[str, int] = {}  # encode each distinct chunk once
+        pending_refs: list[tuple[str, str]] = []
+        todo = []
+        for i, k in enumerate(keys):
+            if self.store.contains(k):
+                if doc_ids and doc_ids[i]:
+                    self.store.add_ref(k, doc_ids[i])
+            elif k not in first:
+                first[k] = i
+                todo.append(i)
+            elif doc_ids and doc_ids[i]:
+                pending_refs.append((k, doc_ids[i]))
+        done_before = len(texts) - len(todo)
+        if progress:
+            progress(done_before, len(texts))
+        step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
+        for start in range(0, len(todo), step):
+            batch = todo[start:start + step]
+            blobs = self.encoder.encode_ids([ids[i] for i in batch])
+            for i, blob in zip(batch, blobs):
+                self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
+            if progress:
+                progress(done_before + start + len(batch), len(texts))
+        for k, doc in pending_refs:
+            self.store.add_ref(k, doc)
+        return keys
+
+    def encode_separators(self) -> list[str]:
+        """Store the stock separators between chunks ("\\n\\n", "\\n", …) encoded like chunks,
+        once per engine; returns their keys. An engine that can only take a stored prefix
+        (vLLM's connector, which calls this when it starts) needs them stored to go on past the
+        first chunk (core/prefill/separators.py); this engine stitches them from memory."""
+        if self._separator_keys is None:
+            keys = []
+            for ids, blob in self._separator_blobs().items():
+                keys.append(self.store.key(self.fingerprint, ids))
+                if not self.store.contains(keys[-1]):
+                    self.keep(blob)
+            self._separator_keys = keys
+        return self._separator_keys
+
+    def prepare_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                       encode_missing: bool = True, warm: bool = True) -> list[str | None]:
+        """Make retrieved chunk texts ready for the next prompt that contains them.
+
+        Encodes (and stores) the blobs of texts that have none yet when `encode_missing`, and
+        with `warm` loads the stored ones into the memory tier now, so that the prompt's
+        assembly reads RAM rather than disk. Returns each text's key; None for a text with no
+        tokens, or without a blob when `encode_missing` is off.
+        """
+        keys: list[str | None] = []
+        missing: list[int] = []
+        for i, text in enumerate(texts):
+            try:
+                key = self.chunk_key(text)
+            except EmptyChunkError:
+                keys.append(None)
+                continue
+            holder = next((e for e in (self, *self._shared)
+                           if e.store.contains(e.chunk_key(text))), None)
+            if holder is not None:
+                keys.append(holder.chunk_key(text))
+                if warm:
+                    holder.store.get(keys[-1], self.fingerprint)
+            else:
+                keys.append(key if encode_missing else None)
+                if encode_missing:
+                    missing.append(i)
+        if missing:
+            self.encode_chunks([texts[i] for i in missing],
+                               doc_ids=[doc_ids[i] for i in missing] if doc_ids else None)
+            if warm:
+                for i in missing:
+                    self.store.get(keys[i], self.fingerprint)
+        return keys
+
+    def forget_document(self, doc_id: str) -> list[str]:
+        """Drop a document's claim on its blobs; delete those no other document uses.
+        Returns the deleted keys."""
+        return self.store.delete_doc(doc_id)
+
+    def blob_for(self, text: str, *, encode_missing: bool = False) -> KVBlob | None:
+        """The (anchored) blob of a chunk text; None if not stored (and not encoded)."""
+        return self._blob(text, self.encoder, encode_missing)
+
+    def prefix_key(self, text: str) -> str:
+        """Key of the plain (unanchored) blob of a prompt head."""
+        return self._key(text, self.prefix_encoder)
+
+    def prefix_blob(self, text: str, *, encode_missing: bool = True,
+                    ids: Sequence[int] | None = None) -> KVBlob | None:
+        """The blob of text that starts a prompt: encoded alone at 0..n−1, like a full prefill.
+        `ids`: its tokens as the whole prompt has them (else the text is tokenized alone)."""
+        if ids is None:
+            return self._blob(text, self.prefix_encoder, encode_missing)
+        if not ids:
+            return None
+        key = self.store.key(self.prefix_fingerprint, ids)
+        blob = self.store.get(key, self.prefix_fingerprint)
+        if blob is None and encode_missing:
+            [blob] = self.prefix_encoder.encode_ids([list(ids)])
+            self.keep(blob, kind="prefix")
+        return blob
+
+    def _blob(self, text: str, encoder: ChunkEncoder, encode_missing: bool) -> KVBlob | None:
+        try:
+            key = self._key(text, encoder)
+        except EmptyChunkError:
+            return None
+        blob = self.store.get(key, encoder.fingerprint)
+        if blob is None and encoder is self.encoder:
+            for other in self._shared:  # read-only namespaces, in order
+                blob = other.store.get(other._key(text, encoder), encoder.fingerprint)
+                if blob is not None:
+                    break
+        if blob is None and encode_missing:
+            blob = encoder.encode(text)
+            # A prompt head is written per query: the store bounds such blobs apart from chunks.
+            self.keep(blob, kind="prefix" if encoder is self.prefix_encoder else "chunk")
+        return blob
+
+    def keep(self, blob: KVBlob, *, kind: str = "chunk") -> None:
+        """Store a blob made while answering. A store that cannot take it (a full disk, a
+        read-only folder) costs the cache, never the answer: the KV is already computed, so
+        the failure is logged and the query goes on."""
+        try:
+            self.store.put(blob, kind=kind)
+        except StoreWriteError as exc:
+            log.warning("KV blob %s not stored, the answer goes on without caching it: %s",
+                        blob.key[:12], exc)
+
+    def _separator_blobs(self) -> dict[tuple[int, ...], KVBlob]:
+        """The stock separators' blobs by their token ids, encoded like chunks once per model
+        (core/prefill/separators.py); kept in memory, the same for every namespace."""
+        root = getattr(self, "_root", self)
+        if root._separators is None:
+            runs = separator_ids(self.encoder.tokenizer)
+            root._separators = {tuple(r): b for r, b in zip(runs, self.encoder.encode_ids(runs))}
+        return root._separators

@@ -1,0 +1,134 @@
+"""ChunkEncoder: chunk texts into KV blobs (core/kv/blob.py), with the stock model, in batches.
+
+Anchored encoding: a chunk encoded alone at positions 0..n−1 treats its first token as the start
+of a sequence, and the model parks attention there (an attention sink) although at query time the
+chunk sits mid-prompt. Encoding it after a fixed anchor text (for example a generic chat-template
+head) and keeping only the chunk's own keys and values — positions a..a+n−1, a = anchor length —
+gives the chunk the mid-sequence statistics it will have at query time. The anchor's KV is
+discarded; `KVBlob.base_position` records a, so re-rotation moves the keys by (target − a).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import EmptyChunkError
+from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
+from ..transformers_api import output_cache
+
+__all__ = ["ChunkEncoder", "anchor_encoding", "ProgressFn"]
+
+ProgressFn = Callable[[int, int], None]  # (done, total)
+
+
+def anchor_encoding(anchor_ids: Sequence[int]) -> str:
+    """The fingerprint encoding of blobs made after `anchor_ids` ("plain" without an anchor)."""
+    if not anchor_ids:
+        return PLAIN
+    ids = torch.as_tensor(list(anchor_ids), dtype=torch.int64).numpy().tobytes()
+    return f"anchor:{len(anchor_ids)}:{_digest(ids, size=8)}"
+
+
+class ChunkEncoder:
+    """Encodes chunks of text into KV blobs with the stock model, in batches.
+
+    With `anchor_ids`, every chunk is encoded right after those tokens and keeps only its own
+    keys and values (see the module docstring); the blobs' fingerprint records the anchor.
+    """
+
+    def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
+                 max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = (),
+                 learned=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.anchor_ids = list(anchor_ids)
+        # learned: a prefill.encoding.LearnedEncoding (soft tokens after the anchor, an
+        # encode-only LoRA), or None for the training-free encoding
+        self.learned = learned
+        encoding = anchor_encoding(self.anchor_ids)
+        if learned is not None:
+            encoding = f"{encoding}+{learned.tag}"
+        self.fingerprint = fingerprint.with_encoding(encoding)
+        self.batch_size = batch_size
+        self.max_chunk_tokens = (max_chunk_tokens or int(model.config.max_position_embeddings)) \
+            - self.base_position
+
+    @property
+    def num_soft(self) -> int:
+        return self.learned.num_soft if self.learned is not None else 0
+
+    @property
+    def base_position(self) -> int:
+        """Where a chunk's first token is encoded: after the anchor and the soft tokens."""
+        return len(self.anchor_ids) + self.num_soft
+
+    def tokenize(self, text: str) -> list[int]:
+        if not text or not text.strip():
+            raise EmptyChunkError("cannot encode an empty chunk: give it some text (whitespace "
+                                  "alone has nothing to cache)")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise EmptyChunkError(f"chunk {text[:40]!r} produced no tokens")
+        if len(ids) > self.max_chunk_tokens:
+            raise EmptyChunkError(
+                f"chunk of {len(ids)} tokens exceeds the model's window of "
+                f"{self.max_chunk_tokens}; split it into smaller chunks")
+        return ids
+
+    def encode(self, text: str) -> KVBlob:
+        return self.encode_many([text])[0]
+
+    def encode_ids(self, ids_list: Sequence[Sequence[int]],
+                   progress: ProgressFn | None = None) -> list[KVBlob]:
+        """Encode token-id chunks. Right padding keeps every real token at its own position
+        (after the anchor, if any), and causal attention means no real token ever sees a pad."""
+        order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))  # less padding
+        blobs: list[KVBlob | None] = [None] * len(ids_list)
+        device = next(self.model.parameters()).device
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = 0 if pad_id is None else pad_id
+        a = self.base_position
+        # the soft tokens' slots hold a placeholder id until their embeddings replace it
+        head = self.anchor_ids + [pad_id] * self.num_soft
+        done = 0
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            lengths = [a + len(ids_list[i]) for i in batch]
+            width = max(lengths)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                input_ids[row, :lengths[row]] = torch.as_tensor(head + list(ids_list[i]))
+                mask[row, :lengths[row]] = 1
+            input_ids, mask = input_ids.to(device), mask.to(device)
+            with torch.inference_mode():
+                if self.learned is None:
+                    out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True,
+                                     logits_to_keep=1)
+                else:
+                    soft_at = torch.full((len(batch),), len(self.anchor_ids), dtype=torch.long)
+                    embeds = self.learned.embed(self.model, input_ids, soft_at)
+                    with self.learned.active(self.model):
+                        out = self.model(inputs_embeds=embeds, attention_mask=mask,
+                                         use_cache=True, logits_to_keep=1)
+            cache = output_cache(out)
+            keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
+            values = torch.stack([layer.values for layer in cache.layers], dim=1)
+            for row, i in enumerate(batch):
+                n = lengths[row]
+                blobs[i] = KVBlob(
+                    token_ids=torch.as_tensor(ids_list[i], dtype=torch.long),
+                    keys=keys[row, :, :, a:n].contiguous().cpu(),
+                    values=values[row, :, :, a:n].contiguous().cpu(),
+                    fingerprint=self.fingerprint,
+                    base_position=a,
+                )
+            done += len(batch)
+            if progress:
+                progress(done, len(ids_list))
+        return blobs  # type: ignore[return-value]
+
+    def encode_many(self, texts: Iterable[str], progress: ProgressFn | None = None) -> list[KVBlob]:
+        return self.encode_ids([self.tokenize(t) for t in texts], progress=progress)
