@@ -58,6 +58,7 @@ class BatchArena:
                              device=device)
         self.v = torch.zeros_like(self.k)
         self.caches: list[KVCache] = []  # the cache on row i, for the rows in use
+        self._row_ids = torch.arange(rows, device=device)  # indexes of the per-step write
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int = 1) -> "BatchArena":
@@ -159,7 +160,7 @@ class BatchArena:
         values over the first `span` positions of the rows in use. One indexed write for all
         rows: the batched step's cache update (core/decode/batch.py)."""
         b = self.in_use
-        rows = torch.arange(b, device=self.k.device)
+        rows = self._row_ids[:b]
         keys, values = self.k[layer], self.v[layer]  # [rows, heads, capacity, dim]
         keys[rows, :, at] = k[:, :, 0]
         values[rows, :, at] = v[:, :, 0]
