@@ -29,3 +29,14 @@ def output_cache(out):
     """The cache a forward returned, under either field name."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+# Set on a forward hook that acts only inside a block which turns it on, on the thread that runs
+# the block (the learned chunk encoder's LoRA deltas: core/prefill/encoding.py). Outside such a
+# block the module computes exactly its stock output, so a fast path that reads the weights
+# directly (core/decode/fast.py) may ignore the hook; any other hook makes it step aside.
+PASSIVE_HOOK = "_turborag_passive_hook"
+
+
+def is_passive_hook(hook) -> bool:
+    return bool(getattr(hook, PASSIVE_HOOK, False))

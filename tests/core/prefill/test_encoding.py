@@ -147,3 +147,43 @@ def test_encoder_lora_acts_only_in_the_thread_that_encodes(tiny_llama):
     assert (with_lora - plain).abs().max() > 1e-3
     torch.testing.assert_close(seen["logits"], plain, atol=0, rtol=0)
     torch.testing.assert_close(after, plain, atol=0, rtol=0)
+
+
+def test_a_learned_encoder_leaves_fast_and_batched_decoding_on(tiny_llama, tmp_path):
+    """The encoder's LoRA hooks stay on the model after the first chunk is encoded, inert
+    outside the encoding block. Fast decoding (which reads the weights directly) and the batch
+    scheduler built on it must stay on, with the stock forward's greedy tokens; when they saw
+    the hooks as an adapter's, every engine with the shipped encoder decoded on the slow stock
+    path and the scheduler never batched."""
+    import threading
+
+    from turborag_integrations.core.batching import BatchScheduler
+    from turborag_integrations.core.decode.fast import FastDecoder, unsupported_reason
+    from turborag_integrations.core.settings import GenerationConfig
+
+    engine = TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False,
+                            encoder=encoding_for(tiny_llama))
+    engine.encode_chunks(CHUNKS)  # installs the hooks
+    model = tiny_llama.model
+    assert any(m._forward_hooks for m in model.modules())
+    assert unsupported_reason(model) is None
+    assert FastDecoder.for_model(model, matmul="linear") is not None
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    prompt = prompt_of(engine)
+    fast = engine.generate(prompt, chunks=CHUNKS, config=config)
+    handle = model.register_forward_hook(lambda *a: None)  # a foreign hook: stock decoding
+    try:
+        assert unsupported_reason(model) is not None
+        stock = engine.generate(prompt, chunks=CHUNKS, config=config)
+    finally:
+        handle.remove()
+    assert fast.token_ids == stock.token_ids
+    with BatchScheduler(engine, max_batch=2) as scheduler:
+        streams = [scheduler.submit(prompt, chunks=CHUNKS, config=config) for _ in range(2)]
+        threads = [threading.Thread(target=lambda s=s: [None for _ in s]) for s in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert scheduler.steps > 0
+    assert [s.result.token_ids for s in streams] == [fast.token_ids] * 2

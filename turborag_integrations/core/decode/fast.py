@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from .. import environment
 from ..settings import QUANTIZE_MODES, check_choice
 from ..attention import split_attention
-from ..transformers_api import with_cache
+from ..transformers_api import is_passive_hook, with_cache
 from .matmul import (MATMUL_MODES, VERIFY_ROWS, Bf16Linear, gemm, int8_available, int8_linear,
                      pick_matmul)
 
@@ -69,7 +69,9 @@ def unsupported_reason(model) -> str | None:
     if not isinstance(model.lm_head, torch.nn.Linear):
         return "lm_head is not a Linear"
     for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        # the learned chunk encoder's hooks are inert outside its encoding block (PASSIVE_HOOK)
+        if any(not is_passive_hook(h) for h in hooks) or hasattr(module, "_hf_hook"):
             return "module hooks (offloading or adapters)"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -42,6 +42,7 @@ import torch
 from .. import environment
 from ..errors import EncoderMismatch
 from ..tensorfile import read_tensors, save_tensors
+from ..transformers_api import PASSIVE_HOOK
 
 FORMAT = "turborag-encoder/1"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -221,6 +222,7 @@ def _delta_hook(name: str):
             delta = delta * token_mask.to(device=x.device, dtype=x.dtype)[..., None]
         return out + delta
 
+    setattr(hook, PASSIVE_HOOK, True)  # inert outside `active`: fast decoding may skip it
     return hook
 
 
