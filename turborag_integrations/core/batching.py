@@ -72,8 +72,8 @@ from .engine import TurboRAGEngine
 from .kv.arena import BatchArena
 from .prefill.stitch import Segment
 from .request import Request
-from .scheduled import ADMITTED, END, WITHDRAWN, RequestCancelled, Scheduled
 from .run import GenerationStream, Run
+from .scheduled import ADMITTED, END, WITHDRAWN, RequestCancelled, Scheduled
 from .settings import GenerationConfig
 
 __all__ = ["BatchScheduler", "RequestCancelled", "on_own_thread"]

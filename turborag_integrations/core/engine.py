@@ -17,12 +17,12 @@ from typing import Iterable, Sequence
 from .adapter import apply_adapter, bundled_adapter
 from .decode.loop import decode_loop, eos_token_ids, now
 from .decode.selfspec import DraftStats
+from .kv.blob import KVBlob, fingerprint_model
+from .kv.cache import CachePool
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
 from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
 from .prefill.chunk_encoder import ChunkEncoder
-from .kv.blob import KVBlob, fingerprint_model
-from .kv.cache import CachePool
 from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener

@@ -69,9 +69,13 @@ def unsupported_reason(model) -> str | None:
     if not isinstance(model.lm_head, torch.nn.Linear):
         return "lm_head is not a Linear"
     for module in model.modules():
+        if hasattr(module, "_hf_hook"):
+            return "module hooks (offloading or adapters)"
+        if not (module._forward_hooks or module._forward_pre_hooks):
+            continue  # most modules: no hook to look at (this check runs at each admission)
         hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
         # the learned chunk encoder's hooks are inert outside its encoding block (PASSIVE_HOOK)
-        if any(not is_passive_hook(h) for h in hooks) or hasattr(module, "_hf_hook"):
+        if any(not is_passive_hook(h) for h in hooks):
             return "module hooks (offloading or adapters)"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
