@@ -17,9 +17,10 @@ precision, so only decoded tokens see the reduced-precision weights. To keep ful
 answers, use the quantised copy as a drafter instead (core/decode/selfspec.py).
 
 Architectures outside the llama family (llama, mistral, qwen2 without sliding layers), attention
-implementations other than sdpa/eager, models with forward hooks (accelerate offloading) and
-models in training mode get `None` from `FastDecoder.for_model`; callers then use the stock
-forward.
+implementations other than sdpa/eager, models with forward hooks (accelerate offloading, an
+adapter's; not the learned chunk encoder's, which are inert outside encoding:
+`transformers_api.PASSIVE_HOOK`) and models in training mode get `None` from
+`FastDecoder.for_model`; callers then use the stock forward.
 """
 
 from __future__ import annotations
