@@ -58,20 +58,38 @@ class PreallocatedLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, storage: _Storage, index: int):
-        # CacheLayerMixin.__init__ assigns keys/values, which are views here; set state directly.
         self.storage = storage
         self.index = index
         self.length = 0
+        # The base initialiser runs, so whatever a transformers version adds there is set; it
+        # clears keys and values, which the setters below accept as a no-op.
+        super().__init__()
         self.device = storage.k.device
-        self.is_initialized = True
+        self.is_initialized = True  # the buffers exist already
 
     @property
     def keys(self) -> torch.Tensor:
         return self.storage.k[self.index, :, :, : self.length]
 
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
     @property
     def values(self) -> torch.Tensor:
         return self.storage.v[self.index, :, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    @staticmethod
+    def _refuse_assignment(name: str, value) -> None:
+        # keys and values are views of the storage: a tensor assigned in their place would be
+        # silently out of step with it
+        if value is not None:
+            raise AttributeError(f"a PreallocatedLayer's {name} are views of its storage: "
+                                 "write through update() or append()")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = keys.shape[-2]
