@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -107,8 +106,6 @@ def _print_demo_report(answer, full_prefill_ttft: float, docs: Path) -> None:
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the KV store.")
 app.add_typer(store_app, name="store")
-bench_app = typer.Typer(no_args_is_help=True, help="Run a benchmark script (source checkout).")
-app.add_typer(bench_app, name="bench")
 
 StoreOpt = typer.Option(None, "--store", help="workspace folder (default ~/.cache/turborag/"
                         "workspace or $TURBORAG_WORKSPACE)")
@@ -507,46 +504,6 @@ def store_gc(store: Optional[Path] = StoreOpt,
         evicted = kv.shrink(limit)
         typer.echo(f"{len(evicted)} cold blob(s) evicted; the store holds "
                    f"{format_size(kv.disk_usage()['bytes'])} (at most {format_size(limit)})")
-
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench(name: str, args: list[str]) -> None:
-    import runpy
-
-    script = BENCHMARKS / f"{name}.py"
-    if not script.exists():
-        _fail(f"benchmark {name} not found: benchmarks ship with the source checkout "
-              f"(looked in {BENCHMARKS})")
-    sys.argv = [str(script), *args]
-    runpy.run_path(str(script), run_name="__main__")
-
-
-# command name: (script in benchmarks/, help)
-BENCH_SCRIPTS = {
-    "ttft": ("ttft", "benchmarks/ttft.py: full prefill vs TurboRAG TTFT (flags pass through)."),
-    "store": ("kv_store", "benchmarks/kv_store.py: bytes per token, load times, int8 fidelity."),
-    "rapid": ("rapid", "benchmarks/rapid.py: RAPID vs the long-context target."),
-    "decode": ("decode", "benchmarks/decode.py: decode tokens/s."),
-}
-
-
-def _bench_command(script: str):
-    def run_script(ctx: typer.Context) -> None:
-        _bench(script, ctx.args)
-    return run_script
-
-
-def _register_bench_commands() -> None:
-    # unknown options and extra arguments are the script's: they pass through untouched
-    passthrough = {"allow_extra_args": True, "ignore_unknown_options": True}
-    for command, (script, help_text) in BENCH_SCRIPTS.items():
-        bench_app.command(command, help=help_text,
-                          context_settings=passthrough)(_bench_command(script))
-
-
-_register_bench_commands()
 
 
 def _register_accuracy_commands() -> None:
