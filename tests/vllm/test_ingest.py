@@ -108,14 +108,16 @@ def test_the_client_sends_one_request_per_chunk_and_reports(encoder):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     StandIn.bodies = []
     try:
-        texts = [TEXT, "A second chunk of text.\n", "x " * 200]
+        texts = [TEXT, "A second chunk of text.\n", "x " * 200, TEXT]
         report = ingest(texts, url=f"http://127.0.0.1:{server.server_port}", model="m",
                         tokenizer=encoder.tokenizer, namespace="acme",
-                        doc_ids=["d1", "d2", "d3"], concurrency=2)
+                        doc_ids=["d1", "d2", "d3", "d1"], concurrency=2)
     finally:
         server.shutdown()
+    assert len(StandIn.bodies) == 3  # the repeated chunk of d1 is sent once
     assert report.stored == 2 and report.existing == 0
     assert report.keys[0] and report.keys[1] and report.keys[2] is None
+    assert report.keys[3] == report.keys[0]
     assert "HTTP 400" in report.errors[2] and "prompt too long" in report.errors[2]
     path, body = next(b for b in StandIn.bodies if b[1]["kv_transfer_params"].get(
         "turborag_doc_id") == "d1")

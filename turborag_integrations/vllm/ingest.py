@@ -119,8 +119,8 @@ class IngestReport:
     """What `ingest` did, per text and in all."""
 
     keys: list[str | None]  # each text's blob key (None where it failed)
-    stored: int = 0  # blobs this call had vLLM write
-    existing: int = 0  # blobs that were stored already
+    stored: int = 0  # distinct blobs this call had vLLM write
+    existing: int = 0  # distinct blobs that were stored already
     errors: dict[int, str] = field(default_factory=dict)  # text index -> why it failed
 
 
@@ -177,15 +177,20 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
                              'in "kv_role": "kv_both" (turborag vllm --ingest)'}
         return result
 
-    report = IngestReport(keys=[None] * len(texts))
+    # a chunk repeated (for the same document) is sent once, as encode_chunks encodes it once
+    first: dict[tuple, int] = {}
+    for i, ids in enumerate(prompts):
+        first.setdefault((tuple(ids), doc_ids[i] if doc_ids else None), i)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        for i, result in enumerate(pool.map(send, range(len(texts)))):
-            if result.get("error") or not result.get("stored"):
-                report.errors[i] = result.get("error") or "not stored"
-                continue
-            report.keys[i] = result["key"]
-            if result.get("existing"):
-                report.existing += 1
-            else:
-                report.stored += 1
+        sent = dict(zip(first.values(), pool.map(send, first.values())))
+    report = IngestReport(keys=[None] * len(texts))
+    written, held = set(), set()
+    for i, ids in enumerate(prompts):
+        result = sent[first[(tuple(ids), doc_ids[i] if doc_ids else None)]]
+        if result.get("error") or not result.get("stored"):
+            report.errors[i] = result.get("error") or "not stored"
+            continue
+        report.keys[i] = result["key"]
+        (held if result.get("existing") else written).add(result["key"])
+    report.stored, report.existing = len(written), len(held - written)
     return report
