@@ -254,6 +254,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._stats = TurboRAGConnectorStats()  # since vLLM last collected them
             self._layers = int(getattr(model_config.hf_config, "num_hidden_layers", 0))
             self._layouts: dict[tuple, BlockLayout] = {}
+            self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._saving: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _off(self, reason: str) -> None:
@@ -618,6 +619,13 @@ class TurboRAGConnector(KVConnectorBase_V1):
                kv_cache.dtype, heads, head_size)
         layout = self._layouts.get(key)
         if layout is None:
+            if self._num_blocks and kv_cache.shape[0] != self._num_blocks:
+                # the probe writes one block of a cache indexed by block first (vLLM's logical
+                # per-layer view); anything else is not ours to write into, even as scratch
+                raise UnreadableCacheLayout(
+                    f"the cache of shape {tuple(kv_cache.shape)} is not indexed by its "
+                    f"{self._num_blocks} blocks first")
+
             def write(k, v, cache, slots):
                 layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
