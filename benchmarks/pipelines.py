@@ -4,6 +4,7 @@
     python benchmarks/pipelines.py turborag_integrations/data/devset/test.jsonl --limit 3
     python benchmarks/pipelines.py --pipelines langchain --engine-arg positions=composite --json
     python benchmarks/pipelines.py --k 10                            # top-10 retrieval
+    python benchmarks/pipelines.py --recovery boundary:32            # TurboRAG with recovery
     python benchmarks/pipelines.py --per-item                        # the old per-item corpora
     python benchmarks/pipelines.py --out answers.jsonl               # every reply, one per line
 
@@ -127,7 +128,7 @@ class LlamaIndexPipeline:
 
     name = "llama_index"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
         from turborag_integrations.core.retrieval.embedding import default_embedding_path
@@ -137,7 +138,7 @@ class LlamaIndexPipeline:
         self.path = workdir / "chroma_llama_index"
         self.embed_model = HuggingFaceEmbedding(model_name=default_embedding_path())
         self.llm = TurboRAGLLM(engine, max_new_tokens=max_new_tokens, temperature=0.0,
-                               stop=list(STOP))
+                               stop=list(STOP), recovery=recovery)
         self.postprocessor = self.llm.postprocessor()
         self.query_engine = None
 
@@ -171,7 +172,7 @@ class LangChainPipeline:
 
     name = "langchain"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
         from langchain_core.prompts import ChatPromptTemplate
 
         from turborag_integrations.langchain import (SentenceTransformerEmbeddings,
@@ -182,7 +183,7 @@ class LangChainPipeline:
         self.embeddings = SentenceTransformerEmbeddings()
         self.prompt = ChatPromptTemplate.from_template(LANGCHAIN_RAG_PROMPT)
         self.chat_model = TurboRAGChatModel(engine=engine, max_tokens=max_new_tokens,
-                                            temperature=0.0, stop=list(STOP))
+                                            temperature=0.0, stop=list(STOP), recovery=recovery)
         self.chains = {}
         self.retrieved: list[str] = []
 
@@ -235,10 +236,10 @@ class LangChainSystemPipeline(LangChainPipeline):
 
     name = "langchain_system"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
         from langchain_core.prompts import ChatPromptTemplate
 
-        super().__init__(engine, workdir, max_new_tokens)
+        super().__init__(engine, workdir, max_new_tokens, recovery)
         self.path = workdir / "chroma_langchain_system"
         self.prompt = ChatPromptTemplate.from_messages(
             [("system", LANGCHAIN_SYSTEM_PROMPT), ("human", "{question}")])
@@ -313,8 +314,8 @@ def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
 def print_table(results: list[dict], settings: dict) -> None:
     print(f"{settings['items']} items from {settings['data']} ({settings['answerable']} "
           f"answerable, {settings['unanswerable']} unanswerable); model {settings['model']}; "
-          f"engine args {settings['engine_args'] or '{}'}; greedy, ≤{settings['max_new_tokens']} "
-          "new tokens, stop at a blank line")
+          f"engine args {settings['engine_args'] or '{}'}; recovery {settings['recovery']}; "
+          f"greedy, ≤{settings['max_new_tokens']} new tokens, stop at a blank line")
     if settings["corpus"] == "shared":
         print(f"corpus: shared, {settings['corpus_chunks']} distinct chunks of the whole set in "
               f"one collection; top-{settings['k']} retrieval")
@@ -375,6 +376,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-item", action="store_true",
                     help="the old setup: one collection per item holding only its chunks, all "
                          "of them retrieved (reproduces older result files)")
+    ap.add_argument("--recovery", default=None, metavar="SPEC",
+                    help="the TurboRAG mode's query-time recovery, e.g. boundary:32 (the LLMs' "
+                         "`recovery` field; docs/accuracy.md)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -399,6 +403,12 @@ def main(argv=None) -> int:
         if not sep or not key.strip():
             ap.error(f"--engine-arg expects KEY=VALUE, got {spec!r}")
         engine_args[key.strip()] = parse_value(value)
+    from turborag_integrations.core.prefill.recovery import parse_recovery
+
+    try:
+        parse_recovery(args.recovery)
+    except ValueError as exc:
+        ap.error(f"--recovery: {exc}")
     if not args.data.is_file():
         ap.error(f"no such file: {args.data} (give a JSONL set, e.g. "
                  "turborag_integrations/data/devset/test.jsonl)")
@@ -424,7 +434,8 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         kwargs = {"store": str(workdir / "kv"), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
-        runners = [classes[p](engine, workdir, args.max_new_tokens) for p in pipelines]
+        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery)
+                   for p in pipelines]
         engine.warmup()
         if k is not None:  # one shared collection per pipeline, ingested once, not timed
             for runner in runners:
@@ -475,7 +486,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
-                "engine_args": engine_args, "pipelines": pipelines,
+                "engine_args": engine_args, "recovery": args.recovery, "pipelines": pipelines,
                 "corpus": "per-item" if k is None else "shared", "k": k,
                 "corpus_chunks": (sum(len(it["chunks"]) for it in items) if k is None
                                   else len(corpus)),

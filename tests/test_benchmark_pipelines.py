@@ -126,6 +126,7 @@ def test_per_item_keeps_one_collection_per_item_and_retrieves_all_its_chunks(
     (["--k", "0"], "--k must be ≥ 1"),
     (["--k", "-3"], "--k must be ≥ 1"),
     (["--per-item", "--k", "3"], "--per-item retrieves every chunk"),
+    (["--recovery", "edges:3"], "--recovery: unknown recovery 'edges:3'"),
 ])
 def test_bad_k_is_refused_with_a_clear_message(bench, data, capsys, args, message):
     with pytest.raises(SystemExit) as exc:

@@ -413,6 +413,172 @@ def test_ignore_eos_decodes_past_end_of_sequence_alone_and_batched(engine):
     assert [r.stats.finish_reason for r in results] == ["stop", "length"]
 
 
+# ---- requests by id: outputs and abort ---------------------------------------------------------
+
+class Outputs:
+    """A request's `on_output`: keeps what the worker reports, and notes the last one."""
+
+    def __init__(self):
+        self.outputs, self.threads = [], set()
+        self.done = threading.Event()
+
+    def __call__(self, output) -> None:
+        self.outputs.append(output)
+        self.threads.add(threading.current_thread().name)
+        if output.finished:
+            self.done.set()
+
+    def wait(self) -> "Outputs":
+        assert self.done.wait(60), "the request never finished"
+        return self
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def last(self):
+        return self.outputs[-1]
+
+
+def wait_for(condition, what: str) -> None:
+    for _ in range(4000):
+        if condition():
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_outputs_arrive_in_order_and_end_with_one_finished(engine):
+    """Each request's token ids reach its callback on the worker's thread, in order: those of
+    its answer alone, then one last output that says why it ended, its stats complete."""
+    config = GenerationConfig(max_new_tokens=12)
+    plain = [engine.generate(prompt(i), chunks=CHUNKS, config=config).token_ids
+             for i in range(8)]
+    # an end-of-sequence token that one answer (b) meets part-way and another (a) never
+    a, b, eos = next((a, b, t) for a in range(8) for b in range(8)
+                     for t in plain[b][1:] if t not in plain[a])
+    engine.eos_ids = engine.eos_ids | {eos}
+    jobs = {"a": (prompt(a), config), "b": (prompt(b), config)}
+    solo = {i: engine.generate(text, chunks=CHUNKS, config=c).token_ids
+            for i, (text, c) in jobs.items()}
+    assert len(solo["a"]) == 12 and 1 <= len(solo["b"]) < 12
+    got = {i: Outputs() for i in jobs}
+    with BatchScheduler(engine, name="the-worker") as scheduler:
+        for i, (text, c) in jobs.items():
+            scheduler.add_request(i, text, chunks=CHUNKS, config=c, on_output=got[i])
+        for outputs in got.values():
+            outputs.wait()
+    for i, outputs in got.items():
+        assert outputs.token_ids == solo[i]
+        assert [o.request_id for o in outputs.outputs] == [i] * len(outputs.outputs)
+        assert [o.finished for o in outputs.outputs] == [False] * (len(outputs.outputs) - 1) + [
+            True]
+        assert outputs.threads == {"the-worker"} and outputs.last.error is None
+        assert {"queue_s", "mean_batch_size"} <= set(outputs.last.stats.extra)
+        assert outputs.last.stats.cache_hits == 2
+    assert got["a"].last.finish_reason == "length" and got["b"].last.finish_reason == "stop"
+
+
+def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine, monkeypatch):
+    prefills, prefill = [], engine.prefill
+    monkeypatch.setattr(engine, "prefill",
+                        lambda *a, **k: (prefills.append(1), prefill(*a, **k))[1])
+    config = GenerationConfig(max_new_tokens=200)
+    alone = engine.generate(prompt(0), chunks=CHUNKS, config=config).token_ids
+    prefills.clear()
+    running, queued, after = Outputs(), Outputs(), Outputs()
+    with BatchScheduler(engine, max_batch=1) as scheduler:
+        scheduler.add_request("running", prompt(0), chunks=CHUNKS, config=config,
+                              on_output=running)
+        wait_for(lambda: running.outputs, "the first token")  # it holds the one place
+        scheduler.add_request("queued", prompt(1), chunks=CHUNKS, config=config,
+                              on_output=queued)
+        with pytest.raises(ValueError, match="queued or running"):
+            scheduler.add_request("queued", prompt(2), on_output=Outputs())
+        wait_for(lambda: scheduler.waiting == 1, "the second request to queue")
+
+        assert scheduler.abort("queued")
+        queued.wait()
+        (only,) = queued.outputs  # never prefilled: no token, one last output
+        assert only.finished and only.finish_reason == "cancelled"
+        assert isinstance(only.error, RequestCancelled) and only.token_ids == []
+        assert scheduler.waiting == 0 and len(prefills) == 1
+
+        assert scheduler.abort("running")
+        running.wait()
+        assert running.last.finish_reason == "cancelled" and running.last.error is None
+        tokens = running.token_ids
+        assert 1 <= len(tokens) < 200 and tokens == alone[:len(tokens)]
+        assert scheduler.in_flight == 0 and scheduler._arena.in_use == 0  # its row is free
+        assert not scheduler.abort("running") and not scheduler.abort("never added")
+
+        # the place is free: the next request runs at once, under an id used before
+        scheduler.add_request("queued", prompt(2), chunks=CHUNKS,
+                              config=GenerationConfig(max_new_tokens=4), on_output=after)
+        after.wait()
+        assert len(after.token_ids) == 4 and after.last.finish_reason == "length"
+
+
+def test_errors_reach_on_output_and_the_scheduler_goes_on(engine, monkeypatch):
+    too_long = "x" * (engine.context_window + 10)
+    config = GenerationConfig(max_new_tokens=30)
+    with BatchScheduler(engine) as scheduler:
+        failed = Outputs()
+        scheduler.add_request("too long", too_long, config=config, on_output=failed)
+        (only,) = failed.wait().outputs
+        assert isinstance(only.error, ContextWindowError) and only.finish_reason == "error"
+
+        step, steps = BatchedDecoder.step, []
+
+        def breaks(self, *args):
+            steps.append(1)
+            if len(steps) == 3:
+                raise RuntimeError("the step broke")
+            return step(self, *args)
+
+        monkeypatch.setattr(BatchedDecoder, "step", breaks)
+        broken = Outputs()
+        scheduler.add_request("mid-answer", prompt(0), chunks=CHUNKS, config=config,
+                              on_output=broken)
+        broken.wait()
+        assert len(broken.token_ids) == 3  # the prefill's token and two steps'
+        assert broken.last.finish_reason == "error" and "broke" in str(broken.last.error)
+
+        monkeypatch.setattr(BatchedDecoder, "step", step)
+        calls = []
+
+        def raising(output) -> None:  # a consumer's bug loses its own request only
+            calls.append(output)
+            raise ValueError("the consumer broke")
+
+        scheduler.add_request("bad consumer", prompt(1), chunks=CHUNKS, config=config,
+                              on_output=raising)
+        fine = Outputs()
+        scheduler.add_request("fine", prompt(2), chunks=CHUNKS,
+                              config=GenerationConfig(max_new_tokens=5), on_output=fine)
+        assert len(fine.wait().token_ids) == 5
+        wait_for(lambda: calls and calls[-1].finished, "the bad consumer's request to end")
+        assert calls[-1].finish_reason == "cancelled" and len(calls) == 2
+        assert scheduler.in_flight == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_ends_every_request_it_holds(engine, monkeypatch):
+    def dies(self, request):
+        raise SystemExit("a bug that escapes the round")
+
+    monkeypatch.setattr(BatchScheduler, "_admit", dies)
+    outputs = Outputs()
+    scheduler = BatchScheduler(engine)
+    scheduler.add_request("a", prompt(0), chunks=CHUNKS, on_output=outputs)
+    outputs.wait()
+    assert outputs.last.finish_reason == "error" and "stopped" in str(outputs.last.error)
+    stream = scheduler.submit(prompt(1), chunks=CHUNKS)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(iter(stream))
+
+
 # ---- the arena: the batch's caches as rows of one storage --------------------------------------
 
 def arena_of(model, tok, texts, room: int = 8) -> tuple[BatchArena, list, list[int]]:

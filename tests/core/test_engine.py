@@ -5,8 +5,9 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError, EmptyChunkError
-from turborag_integrations.core.decode.loop import TextDeltas
+from turborag_integrations.core.decode.loop import TextDeltas, now
 from turborag_integrations.core.decode.sampling import warp_logits
+from turborag_integrations.core.run import RunProgress, RunStats
 from turborag_integrations.core.settings import GenerationConfig
 from tests.conftest import tiny_model
 
@@ -91,6 +92,32 @@ def test_stop_strings_cut_the_text_and_never_leak():
         if d.stopped:
             break
     assert "".join(pieces) == "abc " and d.text == "abc " and d.stopped
+
+
+def test_run_progress_times_the_run_and_ends_it_for_its_reason():
+    class Chars:  # one character per token
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    progress = RunProgress(RunStats(), Chars(), stop=["END"], limit=10, started=now() - 1.0)
+    assert "".join(progress.push(ord(c)) for c in "ab E") == "ab "  # "E" may start "END"
+    assert progress.natural_reason() == "stop"  # 4 of 10 tokens: an end-of-sequence token
+    result = progress.finish("stop")
+    assert progress.flush() == "E" and result.text == "ab E" and result.token_ids == [
+        ord(c) for c in "ab E"]
+    assert result.stats.ttft_s >= 1.0 and result.stats.new_tokens == 4
+    assert result.stats.finish_reason == "stop" and result.stats.decode_s >= 0
+
+    stopped = RunProgress(RunStats(), Chars(), stop=["END"], limit=4)
+    assert "".join(stopped.push(ord(c)) for c in "xEND") == "x" and stopped.stopped
+    assert stopped.push(ord("y")) == "" and stopped.flush() == ""  # nothing after the stop
+
+    full = RunProgress(RunStats(), Chars(), limit=2)
+    for c in "hi":
+        full.push(ord(c))
+    assert full.natural_reason() == "length"
+    never = RunProgress(RunStats(), Chars(), started=now() - 0.5).finish("cancelled")
+    assert never.stats.ttft_s >= 0.5 and never.stats.decode_s == 0.0 and never.text == ""
 
 
 def test_engine_stop_string(engine):

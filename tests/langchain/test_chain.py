@@ -129,3 +129,30 @@ def test_drafted_decoding_gives_the_same_answer(rag):
     assert per_call == plain
     with pytest.raises(ValueError, match="draft must be one of"):
         llm.invoke("Hi", draft="int4")
+
+
+def test_recovery_as_a_field_and_per_call(rag, engine):
+    """`recovery` reaches the engine: recomputing every chunk token gives the full prefill's
+    reply in an LCEL chain, and boundary:K recomputes K tokens of each of the 3 documents."""
+    store, llm = rag
+
+    def run(model):
+        return chain_of(store, model).invoke(QUESTION)
+
+    full = run(llm.bind(mode="naive", max_tokens=8))
+    stitched = run(llm.bind(max_tokens=8))
+    everything = run(TurboRAGChatModel(engine=engine, registry=llm.registry, max_tokens=8,
+                                       recovery="boundary:100000"))
+    four = run(llm.bind(max_tokens=8, recovery="boundary:4"))
+    stats = {name: m.response_metadata["turborag"]
+             for name, m in (("stitched", stitched), ("everything", everything), ("four", four))}
+    assert all(s["cache_hits"] == 3 for s in stats.values())
+    assert everything.content == full.content
+    # 4 tokens of each document, and of each stitched separator between them, are recomputed
+    moved = stats["stitched"]["reused_tokens"] - stats["four"]["reused_tokens"]
+    assert 3 * 4 <= moved <= 4 * (3 + 2)
+    assert stats["four"]["prefilled_tokens"] == stats["stitched"]["prefilled_tokens"] + moved
+    with pytest.raises(ValueError, match="unknown recovery 'edges:3'"):
+        TurboRAGChatModel(engine=engine, recovery="edges:3")
+    with pytest.raises(ValueError, match="unknown recovery 'edges:3'"):
+        llm.invoke("Hi", recovery="edges:3")

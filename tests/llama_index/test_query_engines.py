@@ -9,6 +9,7 @@ from llama_index.core import PromptTemplate
 from llama_index.core.chat_engine import CondensePlusContextChatEngine
 from llama_index.core.schema import MetadataMode
 
+from turborag_integrations.core.prefill.recovery import parse_recovery
 from turborag_integrations.llama_index import (KVCachePostprocessor, KVCachingVectorStore,
                                                TurboRAGLLM, llm_text)
 
@@ -230,9 +231,33 @@ def test_complete_and_chat_use_the_chat_template(engine):
     assert streamed[-1].additional_kwargs["turborag"]["cache_misses"] == 0
 
 
+def test_recovery_in_a_stock_query_engine(index, engine):
+    """`recovery` reaches the engine: recomputing every chunk token gives the full prefill's
+    tokens in the stock compact template, and boundary:K recomputes K tokens of each chunk."""
+    post = [KVCachePostprocessor(engine)]
+
+    def run(llm):
+        answer(index.as_query_engine(llm=llm, node_postprocessors=post, similarity_top_k=2))
+        return llm.last_result
+
+    full = run(TurboRAGLLM(engine, max_new_tokens=8, mode="naive"))
+    stitched = run(TurboRAGLLM(engine, max_new_tokens=8))
+    everything = run(TurboRAGLLM(engine, max_new_tokens=8, recovery="boundary:100000"))
+    four = run(TurboRAGLLM(engine, max_new_tokens=8, recovery="boundary:4"))
+    assert stitched.stats.cache_hits == everything.stats.cache_hits == four.stats.cache_hits == 2
+    assert everything.token_ids == full.token_ids
+    # 4 tokens of each chunk, and of each stitched separator between them, move to the prefill
+    moved = stitched.stats.reused_tokens - four.stats.reused_tokens
+    assert 2 * 4 <= moved <= 4 * (2 + 1)
+    assert four.stats.prefilled_tokens == stitched.stats.prefilled_tokens + moved
+    assert four.stats.extra["recovery"] == str(parse_recovery("boundary:4"))
+
+
 def test_bad_settings_are_refused(engine):
     with pytest.raises(ValueError, match="mode"):
         TurboRAGLLM(engine, mode="fast")
+    with pytest.raises(ValueError, match="unknown recovery 'edges:3'"):
+        TurboRAGLLM(engine, recovery="edges:3")
     with pytest.raises(ValueError, match="positions"):
         TurboRAGLLM(engine, positions="sideways")
     with pytest.raises(TypeError, match="TurboRAGEngine"):

@@ -1,5 +1,6 @@
 """Clients that leave a live server: a client that leaves mid-stream cancels its generation and
-frees its place in the batch at once; one that leaves while queued never reaches the model.
+frees its place in the batch at once; one that leaves while queued never reaches the model; and
+no request holds a thread of its own while it waits.
 
 The server here decodes one request at a time (max_batch=1), so that the next request can only
 start once the place is free."""
@@ -8,7 +9,7 @@ import json
 import logging
 import re
 import socket
-import time
+import threading
 from urllib.parse import urlsplit
 
 import httpx
@@ -97,7 +98,9 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, en
     queued = post_raw(base_url, long_answer(engine, "And then some more."))
     wait_until(lambda: health()["queue_depth"] == 1, "the second request to queue")
     queued.close()
-    time.sleep(0.5)  # the server sees it go (it checks every 0.2 s) before the engine is free
+    # the server sees it go (and answers 499) while the first still holds the one place
+    wait_until(lambda: health()["queue_depth"] == 0, "the server to notice", timeout=5)
+    assert health()["in_flight"] == 1
     first.close()
 
     assert short_answer(base_url, engine).status_code == 200
@@ -106,3 +109,25 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, en
     assert health()["queue_depth"] == 0
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'turborag_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in metrics
+
+
+def test_no_thread_waits_per_request(app, base_url, engine):
+    """Six requests in flight (one decoding, five queued) start no thread: the scheduler's worker
+    decodes, the event loop turns tokens into text and watches the connections, and chunk
+    lookups share a pool of two threads."""
+    health = lambda: httpx.get(f"{base_url}/health").json()  # noqa: E731
+    assert short_answer(base_url, engine).status_code == 200  # the lookup pool is under way
+    before = {thread.ident for thread in threading.enumerate()}
+    clients = [post_raw(base_url, long_answer(engine, f"Question {i}?")) for i in range(6)]
+    try:
+        first_chunk(clients[0])
+        wait_until(lambda: health()["queue_depth"] == 5, "the other five to queue")
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+    finally:
+        for client in clients:
+            client.close()
+    assert len(started) <= 1 and all(name.startswith("turborag-lookup") for name in started), \
+        started
+    scheduler = app.state.scheduler
+    wait_until(lambda: scheduler.in_flight == 0 and health()["queue_depth"] == 0,
+               "every request to leave", timeout=10)

@@ -15,6 +15,17 @@ same text deltas, stop strings, `.result` and stats, so a caller can switch betw
 with `engine.stream`, nothing happens until the stream is first iterated; its first `next()`
 waits for the request's turn and prefill, so errors of the prefill are raised there.
 
+Underneath, requests have ids, and the worker reports token ids, not text (vLLM's engine core
+and output processor split so):
+
+    scheduler.add_request("req-1", prompt, chunks=chunks, config=config, on_output=callback)
+    scheduler.abort("req-1")               # queued or running: it leaves at the next round
+
+`callback` gets a `RequestOutput` (core/scheduled.py) on the worker's thread after each round
+with its new token ids, and a last one, `finished`, once the worker holds nothing of it. It must
+return at once: hand the output to another thread or an event loop (server/outputs.py does).
+`submit` is built on these: its stream reads a queue of outputs and turns the ids into text.
+
 The worker repeats:
 0. calls: run the functions given to `call(fn)` (other work on the model, such as encoding
    chunks or a warm-up, which belongs on this thread too; see the last paragraph), each with a
@@ -30,14 +41,14 @@ The worker repeats:
    its next token with its own `Sampler` (its own temperature, top-k/top-p and seeded generator),
    so it gets the tokens it would get alone (greedy: equal to `engine.generate`, tested).
 3. retire: a request leaves after its last token (max_new_tokens, the end of the context window
-   or an end-of-sequence token), as soon as its consumer closes the stream (a stop string,
-   `stream.close()`, a client that is gone) and on an error; its row of the arena (or the
-   cache of an unbatched request, back to the engine's pool) is free before the stream's close
-   returns.
+   or an end-of-sequence token), at the round after it is aborted (a stop string, a stream
+   closed, a client that is gone) and on an error; its row of the arena (or the cache of an
+   unbatched request, back to the engine's pool) is free before its last output is sent, so
+   before a stream's close returns.
 
-A caller may pass `cancelled=` (a `threading.Event`) to `submit` and set it to withdraw the
-request without touching its stream, from any thread: a request withdrawn while it waits is never
-prefilled (its stream raises `RequestCancelled`); one in the batch leaves it at the next round.
+A request aborted while it waits is never prefilled: its last output carries `RequestCancelled`
+(which its stream raises). A caller of `submit` may pass `cancelled=` (a `threading.Event`) and
+set it to do the same without touching the stream, from any thread.
 
 Requests a batched step does not serve decode on the same worker, one token per round alongside
 the batch, through the engine's own decode loop: drafted decoding (`config.draft`: several
@@ -57,6 +68,7 @@ benchmarks/batching.py), and run the rest of the work on the model through `call
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -73,10 +85,12 @@ from .kv.arena import BatchArena
 from .prefill.stitch import Segment
 from .request import Request
 from .run import GenerationStream, Run
-from .scheduled import ADMITTED, END, WITHDRAWN, RequestCancelled, Scheduled
+from .scheduled import WITHDRAWN, OutputQueue, RequestCancelled, RequestOutput, Scheduled
 from .settings import GenerationConfig
 
-__all__ = ["BatchScheduler", "RequestCancelled", "on_own_thread"]
+__all__ = ["BatchScheduler", "RequestCancelled", "RequestOutput", "on_own_thread"]
+
+STOPPED = "the batch scheduler's worker stopped"
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +109,8 @@ class BatchScheduler:
         # admission pays for faulting in a fresh buffer (≈0.1 s at 4K tokens).
         engine.cache_pool.keep_at_least(max_batch)
         self._waiting: deque[Scheduled] = deque()
+        self._requests: dict[str, Scheduled] = {}  # by id, until their last output (the lock's)
+        self._stream_ids = itertools.count()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._active: list[Scheduled] = []  # worker thread only
         self.steps = 0  # batched decode steps run so far
@@ -124,13 +140,35 @@ class BatchScheduler:
         cancelled: an event that withdraws the request once set (from any thread): never
         prefilled if it is still waiting (the stream raises `RequestCancelled`), out of the
         batch at the next round if it is in."""
-        config = config or GenerationConfig()
-        if engine is not None and engine.model is not self.engine.model:
-            raise ValueError("a request's engine must be a namespace of the scheduler's engine "
-                             "(engine.namespaced(name)), not another model")
-        request = Scheduled(Request(prompt, tuple(chunks), config, mode, positions,
-                                   encode_missing, recovery), engine or self.engine, cancelled)
-        return GenerationStream(start=lambda: self._start(request))
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+                          encode_missing, recovery)
+        engine = self._engine_for(engine)
+        return GenerationStream(start=lambda: self._start(request, engine, cancelled))
+
+    def add_request(self, request_id: str, prompt: str | Sequence[Segment], *,
+                    on_output: Callable[[RequestOutput], None], chunks: Iterable[str] = (),
+                    config: GenerationConfig | None = None, mode: str = "turbo",
+                    positions: str | None = None, encode_missing: bool = False,
+                    recovery=None, engine=None) -> None:
+        """Queue `prompt`'s generation under `request_id` (arguments as `submit`); the worker
+        reports it to `on_output` (module docstring) until a last, finished output. An id may
+        be used again once its request has finished."""
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+                          encode_missing, recovery)
+        self._add(Scheduled(request_id, request, self._engine_for(engine), on_output))
+
+    def abort(self, request_id: str) -> bool:
+        """Withdraw a request, from any thread: one still queued is never prefilled, one in the
+        batch leaves it at the next round; either way its cache is freed and its last output
+        (finished, "cancelled") follows. False for an id that is not queued or running (never
+        added, or finished already)."""
+        with self._cond:
+            request = self._requests.get(request_id)
+            if request is None:
+                return False
+            request.aborted = True
+            self._cond.notify()
+        return True
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn()` on the worker thread before the next round; the Future holds its result or
@@ -149,7 +187,7 @@ class BatchScheduler:
     def in_flight(self) -> int:
         """Requests being decoded now (a snapshot). A request whose stream has ended is not
         counted, though the worker drops it from its list only at the end of the round."""
-        return sum(not r.released.is_set() for r in self._active)
+        return sum(not r.finished for r in self._active)
 
     @property
     def waiting(self) -> int:
@@ -170,34 +208,62 @@ class BatchScheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, request: Scheduled) -> Run:
+    def _engine_for(self, engine) -> TurboRAGEngine:
+        if engine is not None and engine.model is not self.engine.model:
+            raise ValueError("a request's engine must be a namespace of the scheduler's engine "
+                             "(engine.namespaced(name)), not another model")
+        return engine or self.engine
+
+    def _add(self, request: Scheduled) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
+            if request.id in self._requests:
+                raise ValueError(f"a request with the id {request.id!r} is queued or running")
             request.submitted = now()
+            self._requests[request.id] = request
             self._waiting.append(request)
             self._cond.notify()
-        first = request.out.get()  # the prefill's outcome
-        if isinstance(first, BaseException):
-            raise first
+
+    def _start(self, request: Request, engine: TurboRAGEngine,
+               cancelled: threading.Event | None) -> Run:
+        """A submitted stream's first iteration: queue the request, wait for its prefill."""
+        outputs = OutputQueue()
+        scheduled = Scheduled(f"stream-{next(self._stream_ids)}", request, engine, outputs.put,
+                              withdrawn=cancelled)
+        self._add(scheduled)
+        first = outputs.get()
+        if first.error is not None:
+            raise first.error
 
         def finish() -> None:
-            request.cancelled.set()  # a no-op once the worker has retired it
+            self.abort(scheduled.id)  # a no-op once the worker has retired it
             # A stream dropped unclosed is finalised by the garbage collector, on any thread:
             # on the worker's, waiting would wait for itself; it retires the request next round.
-            if threading.current_thread() is self._thread:
-                return
-            while not request.released.wait(0.5):
-                if not self._thread.is_alive():
-                    break
-            if request.draft_stats is not None:
-                request.stats.extra.update(request.draft_stats.as_dict())
+            if threading.current_thread() is not self._thread:
+                outputs.drain()  # its cache is free once its last output is sent
 
-        return Run(request.tokens(), request.stats, request.limit, self.engine.tokenizer,
-                   request.config.stop, finish)
+        return Run(outputs.tokens(first), scheduled.stats, scheduled.limit,
+                   self.engine.tokenizer, request.config.stop, finish)
 
     # ---- the worker --------------------------------------------------------------------------
     def _serve(self) -> None:
+        try:
+            self._rounds()
+        finally:  # a worker that dies (a bug) still ends every request it was given
+            with self._cond:
+                self._closed = True
+                left = list(self._requests.values())  # queued, in the batch, or being admitted
+                calls = list(self._calls)
+                self._waiting.clear()
+                self._calls.clear()
+            for request in left:
+                self._retire(request, "error", RuntimeError(STOPPED))
+            for _, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(RuntimeError(STOPPED))
+
+    def _rounds(self) -> None:
         # The batched decoder's one-time work (timing the products, packing the weights: ≈1 s
         # for SmolLM2) before the first request rather than in its prefill's place.
         try:
@@ -227,16 +293,16 @@ class BatchScheduler:
                     except BaseException as exc:  # the caller's; the worker keeps serving
                         future.set_exception(exc)
             for request in withdrawn:
-                self._retire(request, RequestCancelled(WITHDRAWN))
+                self._retire(request, "cancelled", RequestCancelled(WITHDRAWN))
             try:
                 for request in admit:
                     self._admit(request)
-                self._active = [r for r in self._active if not self._retire_if_cancelled(r)]
+                self._active = [r for r in self._active if not self._retire_if_dropped(r)]
                 self._step()
             except Exception as exc:  # a batched step (or a bug): fail what is in flight
                 log.exception("batch scheduler round failed")
                 for request in self._active + admit:
-                    self._retire(request, exc)  # once per request: retired ones are skipped
+                    self._retire(request, "error", exc)  # once each: retired ones are skipped
                 self._active = []
 
     def _admit(self, request: Scheduled) -> None:
@@ -244,13 +310,13 @@ class BatchScheduler:
         token was its last. A failing prefill fails this request only."""
         engine, config = self.engine, request.config
         if request.dropped():  # withdrawn during this round's calls
-            self._retire(request, RequestCancelled(WITHDRAWN))
+            self._retire(request, "cancelled", RequestCancelled(WITHDRAWN))
             return
         try:
             t0 = now()
             prepared = request.engine.start(request.request, stats=request.stats)
         except Exception as exc:
-            self._retire(request, exc)
+            self._retire(request, "error", exc)
             return
         request.stats.extra["queue_s"] = t0 - request.submitted
         pre = prepared.prefill
@@ -268,7 +334,6 @@ class BatchScheduler:
                                        config, config.end_ids(engine.eos_ids),
                                        max_new_tokens=request.limit,
                                        draft_stats=request.draft_stats)
-        request.out.put(ADMITTED)
         if self._advance(request, pre.logits):
             self._active.append(request)
 
@@ -289,25 +354,26 @@ class BatchScheduler:
         retire it and return False when it has no more."""
         try:
             if request.dropped():
-                token = None
-            elif request.batched:
+                self._retire(request, "cancelled")
+                return False
+            if request.batched:
                 token = request.sampler(logits) if request.count < request.limit else None
                 if token in request.config.end_ids(self.engine.eos_ids):
                     token = None
             else:
                 token = next(request.solo, None)
             if token is None:
-                self._retire(request)
+                self._retire(request, "length" if request.count >= request.limit else "stop")
                 return False
-            request.out.put(token)
             request.count += 1
             request.token = token
             if request.batched and request.count == request.limit:
-                self._retire(request)  # its last token: no step for it
+                self._retire(request, "length", tokens=[token])  # its last: no step for it
                 return False
+            self._emit(request, RequestOutput(request.id, [token], stats=request.stats))
             return True
         except Exception as exc:
-            self._retire(request, exc)
+            self._retire(request, "error", exc)
             return False
 
     def _step(self) -> None:
@@ -338,15 +404,16 @@ class BatchScheduler:
         return arena.row_of(request.cache) if arena is not None and arena.holds(request.cache) \
             else -1
 
-    def _retire_if_cancelled(self, request: Scheduled) -> bool:
+    def _retire_if_dropped(self, request: Scheduled) -> bool:
         if request.dropped():
-            self._retire(request)
+            self._retire(request, "cancelled")
             return True
         return False
 
-    def _retire(self, request: Scheduled, error: BaseException | None = None) -> None:
-        """Give the request's cache back and end its stream (with `error`, if any)."""
-        if request.released.is_set():
+    def _retire(self, request: Scheduled, reason: str, error: BaseException | None = None,
+                tokens: Sequence[int] = ()) -> None:
+        """Give the request's cache back, then send its last output (with its last `tokens`)."""
+        if request.finished:
             return
         if request.solo is not None:
             request.solo.close()
@@ -358,8 +425,21 @@ class BatchScheduler:
             request.cache = None
         if request.steps:
             request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps
-        request.released.set()
-        request.out.put(error if error is not None else END)
+        if request.draft_stats is not None:
+            request.stats.extra.update(request.draft_stats.as_dict())
+        request.finished = True
+        with self._cond:
+            self._requests.pop(request.id, None)
+        self._emit(request, RequestOutput(request.id, list(tokens), finished=True,
+                                          finish_reason=reason, error=error,
+                                          stats=request.stats))
+
+    def _emit(self, request: Scheduled, output: RequestOutput) -> None:
+        try:
+            request.on_output(output)
+        except Exception:  # the consumer's bug: it loses this request, the batch goes on
+            log.exception("the output callback of request %r failed; aborting it", request.id)
+            request.aborted = True
 
 
 T = TypeVar("T")

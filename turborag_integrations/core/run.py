@@ -10,6 +10,11 @@ timing, and sets `.result`.
     stream = engine.stream(prompt, chunks=chunks)
     for delta in stream: ...
     stream.result.stats.ttft_s
+
+What a run has become as its token ids arrive (its text so far, the deltas it owes, its timing)
+is a `RunProgress`, kept apart from the iteration: the stream pulls ids and pushes them into
+one, and so does a consumer that is handed ids instead (the server's output loop, which gets
+them from the batch scheduler's worker; server/outputs.py).
 """
 
 from __future__ import annotations
@@ -81,6 +86,66 @@ class Run:
     finish: Callable[[], None] = lambda: None  # called once, however the run ends
 
 
+class RunProgress:
+    """One run's state as its new token ids arrive: its text (stop strings applied, characters
+    never split; `TextDeltas`), its timing, and at the end its result.
+
+    `started` is when the run was asked for: the time to first token runs from there to the
+    first `arrived()`. Feed it on one thread (or one event loop); it takes no lock."""
+
+    def __init__(self, stats: RunStats, tokenizer, stop: Sequence[str] = (), *,
+                 limit: int | None = None, started: float | None = None):
+        self.stats = stats
+        self.limit = limit  # most new tokens: ending earlier without a stop string means EOS
+        self.started = now() if started is None else started
+        self.first_at: float | None = None
+        self._deltas = TextDeltas(tokenizer, stop)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has been found: the text ends before it, and later ids add nothing."""
+        return self._deltas.stopped
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._deltas.ids
+
+    def arrived(self) -> None:
+        """Note that ids have arrived (the first time: the time to first token)."""
+        if self.first_at is None:
+            self.first_at = now()
+            self.stats.ttft_s = self.first_at - self.started
+
+    def push(self, token: int) -> str:
+        """The text `token` adds that is safe to hand out now (text that may still turn out to
+        be a stop string or part of a character waits); nothing once stopped."""
+        self.arrived()
+        return "" if self.stopped else self._deltas.push(token)
+
+    def natural_reason(self) -> str:
+        """Why the run ended, when its ids ran out by themselves: a stop string or an
+        end-of-sequence token ("stop"), or its token limit ("length")."""
+        if self.stopped or (self.limit is not None and len(self.token_ids) < self.limit):
+            return "stop"
+        return "length"
+
+    def finish(self, reason: str, ended: float | None = None) -> GenerationResult:
+        """Fill in the stats (the run ended at `ended`, default now) and return the result. The
+        text held back for a possible stop string is in it; `flush()` hands it out."""
+        stats, ended = self.stats, now() if ended is None else ended
+        if self.first_at is None:
+            stats.ttft_s = ended - self.started
+        stats.new_tokens = len(self.token_ids)
+        stats.decode_s = ended - self.first_at if self.first_at is not None else 0.0
+        stats.finish_reason = reason
+        return GenerationResult(text=self._deltas.text, token_ids=list(self.token_ids),
+                                stats=stats)
+
+    def flush(self) -> str:
+        """The text held back, once the run has ended without a stop string."""
+        return self._deltas.flush()
+
+
 class GenerationStream:
     """Iterate for text deltas; `.result` is filled in once the iteration ends (also when the
     consumer closes it early: the stats of a partial answer are kept)."""
@@ -104,31 +169,26 @@ class GenerationStream:
     def _lifecycle(self, start: Callable[[], Run]) -> Iterator[str]:
         t0 = now()
         run = start()
-        stats = run.stats
-        deltas = TextDeltas(run.tokenizer, run.stop)
-        t_first = None
-        finish = "length"
+        progress = RunProgress(run.stats, run.tokenizer, run.stop, limit=run.limit, started=t0)
+        reason = "length"  # what a run that fails part-way is counted as
         try:
             for batch in run.tokens:
                 if isinstance(batch, int):
                     batch = (batch,)
-                if t_first is None:
-                    t_first = now()
-                    stats.ttft_s = t_first - t0
+                progress.arrived()
                 for token in batch:
-                    delta = deltas.push(token)
+                    delta = progress.push(token)
                     if delta:
                         yield delta
-                    if deltas.stopped:
+                    if progress.stopped:
                         break
-                if deltas.stopped:
-                    finish = "stop"
+                if progress.stopped:
+                    reason = "stop"
                     break
             else:
-                if len(deltas.ids) < run.limit:
-                    finish = "stop"  # end-of-sequence token
+                reason = progress.natural_reason()
         except GeneratorExit:
-            finish = "cancelled"
+            reason = "cancelled"
             raise
         finally:
             close = getattr(run.tokens, "close", None)
@@ -136,13 +196,7 @@ class GenerationStream:
                 close()
             t_end = now()
             run.finish()
-            if t_first is None:
-                stats.ttft_s = t_end - t0
-            stats.new_tokens = len(deltas.ids)
-            stats.decode_s = t_end - t_first if t_first is not None else 0.0
-            stats.finish_reason = finish
-            self.result = GenerationResult(text=deltas.text, token_ids=list(deltas.ids),
-                                           stats=stats)
-        tail = deltas.flush()
+            self.result = progress.finish(reason, ended=t_end)
+        tail = progress.flush()
         if tail:
             yield tail

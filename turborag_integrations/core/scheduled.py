@@ -1,11 +1,12 @@
-"""A generation submitted to the batch scheduler (core/batching.py): its request, the channel
-its tokens go through to the consumer's stream, and the worker's decoding state."""
+"""A generation submitted to the batch scheduler (core/batching.py): its request, what the worker
+reports of it (`RequestOutput`), and the worker's decoding state."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .decode.sampling import Sampler
 from .decode.selfspec import DraftStats
@@ -13,30 +14,49 @@ from .engine import TurboRAGEngine
 from .request import Request
 from .run import GenerationStats
 
-ADMITTED = object()  # first item of a request's queue once its prefill is done
-END = object()  # last item: no more tokens
-
-
 WITHDRAWN = "the request was withdrawn before its turn"
 
 
 class RequestCancelled(Exception):
-    """Raised by the stream of a request withdrawn (`submit(cancelled=...)`) before its turn."""
+    """The error of a request withdrawn (aborted, or `submit(cancelled=...)`) before its turn."""
+
+
+@dataclass
+class RequestOutput:
+    """What the worker reports of one request: the token ids it drew since the last report, and
+    whether the request has ended. Every request gets reports in order, the last one `finished`
+    (whatever ended it); the worker holds nothing of the request once that one is sent.
+
+    finish_reason (set when finished): "stop" (an end-of-sequence token), "length" (its token
+    limit or the end of the context window), "cancelled" (aborted, or its caller's `cancelled`
+    event), "error". error: why it failed (its prefill, say), or `RequestCancelled` when it was
+    withdrawn before its prefill. stats: the request's figures, filled in by the worker: the
+    prefill's from the first report on, all of them (`queue_s`, `mean_batch_size`, drafting)
+    once finished. Stop strings are the consumer's: the worker sees ids, not text."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    stats: GenerationStats | None = None
 
 
 class Scheduled:
-    """One submitted generation: the request, the channel to its consumer, and the worker's
-    decoding state (touched by the worker thread only; the events are the threads' signals)."""
+    """One submitted generation: the request, where its outputs go, and the worker's decoding
+    state (touched by the worker thread only, but `aborted`, which the scheduler's lock guards)."""
 
-    def __init__(self, request: Request, engine: TurboRAGEngine,
-                 cancelled: threading.Event | None = None):
-        self.request, self.engine, self.config = request, engine, request.config
+    def __init__(self, request_id: str, request: Request, engine: TurboRAGEngine,
+                 on_output: Callable[[RequestOutput], None],
+                 withdrawn: threading.Event | None = None):
+        self.id, self.request, self.engine, self.config = request_id, request, engine, \
+            request.config
+        self.on_output = on_output
         self.stats = GenerationStats(mode=request.mode)
         self.draft_stats = DraftStats() if request.config.draft else None
-        self.out: queue.SimpleQueue = queue.SimpleQueue()  # ADMITTED, tokens, END or an error
-        self.cancelled = threading.Event()  # the consumer has closed its stream
-        self.withdrawn = cancelled  # the caller's event: set, it wants the request no more
-        self.released = threading.Event()  # the worker holds nothing of it any more
+        self.aborted = False  # `abort(id)`: nobody wants its tokens any more
+        self.withdrawn = withdrawn  # a caller's event that does the same once set
+        self.finished = False  # its last output is sent; the worker holds nothing of it
         self.limit = 0
         self.cache = None
         self.sampler: Sampler | None = None
@@ -54,23 +74,50 @@ class Scheduled:
 
     def dropped(self) -> bool:
         """Whether nobody wants the request's tokens any more."""
-        return self.cancelled.is_set() or (self.withdrawn is not None and self.withdrawn.is_set())
+        return self.aborted or (self.withdrawn is not None and self.withdrawn.is_set())
 
-    def tokens(self) -> Iterator[list[int]]:
-        """What the consumer iterates: the tokens handed over so far, in batches."""
+
+class OutputQueue:
+    """A request's outputs for a consumer on another thread, which blocks for them: what the
+    stream of `BatchScheduler.submit` reads. `put` is the request's `on_output`."""
+
+    def __init__(self):
+        self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.finished = False  # the last output has been taken
+
+    def put(self, output: RequestOutput) -> None:
+        self._outputs.put(output)
+
+    def get(self) -> RequestOutput:
+        output = self._outputs.get()
+        self.finished = output.finished
+        return output
+
+    def tokens(self, first: RequestOutput) -> Iterator[list[int]]:
+        """The token ids of `first` and the outputs after it, in batches of what has arrived by
+        each call; raises the error of a request that fails."""
+        output = first
         while True:
-            batch = []
-            item = self.out.get()
+            batch: list[int] = []
             while True:
-                if item is END or isinstance(item, BaseException):
+                batch += output.token_ids
+                if output.error is not None:
                     if batch:
                         yield batch
-                    if item is END:
-                        return
-                    raise item
-                batch.append(item)
+                    raise output.error
+                if output.finished:
+                    if batch:
+                        yield batch
+                    return
                 try:
-                    item = self.out.get_nowait()
+                    output = self._outputs.get_nowait()
                 except queue.Empty:
                     break
+                self.finished = output.finished
             yield batch
+            output = self.get()
+
+    def drain(self) -> None:
+        """Wait for the last output (the worker has let go of the request)."""
+        while not self.finished:
+            self.get()

@@ -12,9 +12,10 @@ import threading
 from typing import Any, Literal
 
 from langchain_core.documents import Document
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..core.engine import TurboRAGEngine
+from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
 from ..core.run import GenerationStats, GenerationStream
 from ..core.settings import GenerationConfig
@@ -28,7 +29,8 @@ _ENGINES_LOCK = threading.Lock()
 # Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
 _FRAMEWORK_KWARGS = {"stream", "ls_structured_output_format"}
 SAMPLING_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
-_CALL_KWARGS = SAMPLING_KWARGS | {"mode", "chunks", "model", "encode_missing", "quantize", "draft"}
+_CALL_KWARGS = SAMPLING_KWARGS | {"mode", "chunks", "model", "encode_missing", "quantize", "draft",
+                                  "recovery"}
 
 
 def shared_engine(model: str | None = None) -> TurboRAGEngine:
@@ -102,6 +104,9 @@ class TurboRAGParams(SamplingParams):
     """Model to load when no engine is given (None: the bundled SmolLM2)."""
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
+    recovery: str | None = None
+    """Turbo mode only: recompute some chunk tokens with full context, e.g. "boundary:32"
+    (agreement bought with speed; docs/accuracy.md's frontier). Also a per-call option."""
     quantize: Literal["int8", "bf16"] | None = None
     """Decode with quantised weights: faster, answers may drift (see GenerationConfig)."""
     draft: Literal["int8", "bf16"] | None = None
@@ -123,6 +128,12 @@ class TurboRAGParams(SamplingParams):
     """Raise FingerprintMismatch when the prompt holds documents ingested for another model."""
 
     _engine: TurboRAGEngine | None = PrivateAttr(default=None)
+
+    @field_validator("recovery")
+    @classmethod
+    def _known_recovery(cls, spec: str | None) -> str | None:
+        parse_recovery(spec)  # a bad spec fails here, not at the first call
+        return spec
 
     # ---- engine ---------------------------------------------------------------------------
     def get_engine(self) -> TurboRAGEngine:
@@ -179,7 +190,8 @@ class TurboRAGParams(SamplingParams):
         chunks = self.candidate_chunks(engine, prompt, call) if mode == "turbo" else []
         return engine.stream(prompt, chunks=chunks, config=self.generation_config(stop, call),
                              mode=mode, encode_missing=call.get("encode_missing",
-                                                                self.encode_missing))
+                                                                self.encode_missing),
+                             recovery=parse_recovery(call.get("recovery", self.recovery)))
 
     # ---- reporting ------------------------------------------------------------------------
     def response_metadata(self, stats: GenerationStats) -> dict:

@@ -20,6 +20,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..core.engine import TurboRAGEngine
 from ..core.models import DEFAULT_MODEL
+from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
 from ..core.run import GenerationResult, GenerationStream
 from ..core.settings import MODES, POSITION_MODES, check_choice
@@ -57,6 +58,9 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     positions: Optional[str] = Field(default=None,
                                      description="'reordered' or 'composite' (None: the engine's)")
     mode: str = Field(default="turbo", description="'turbo' (reuse blobs) or 'naive' (prefill all)")
+    recovery: Optional[str] = Field(default=None, description="turbo mode only: recompute "
+                                    "some chunk tokens with full context, e.g. 'boundary:32' "
+                                    "(agreement for speed; docs/accuracy.md's frontier)")
     quantize: Optional[str] = Field(default=None, description="decode with 'int8' or 'bf16' "
                                     "weights: faster, answers may drift (see GenerationConfig)")
     draft: Optional[str] = Field(default=None, description="'int8' or 'bf16' drafts verified in "
@@ -88,6 +92,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         check_choice("mode", self.mode, MODES)
         if self.positions is not None:
             check_choice("positions", self.positions, POSITION_MODES)
+        parse_recovery(self.recovery)  # a bad spec fails here, not at the first query
         if engine is None:
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
                                     positions=self.positions or "reordered",
@@ -157,7 +162,8 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     def open_stream(self, prompt: str, kwargs: dict) -> GenerationStream:
         chunks = self.chunks_in(prompt) if self.mode == "turbo" else []
         return self._engine.stream(prompt, chunks=chunks, config=self.generation_config(kwargs),
-                                   mode=self.mode, positions=self.positions)
+                                   mode=self.mode, positions=self.positions,
+                                   recovery=self.recovery)
 
     def _stats(self, result: GenerationResult) -> dict:
         return stats_payload(result)

@@ -131,6 +131,7 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     async def lifespan(app: FastAPI):
         yield
         await asyncio.to_thread(scheduler.close, 60)  # answers under way end first
+        service.close()
 
     app = FastAPI(title="TurboRAG", summary="OpenAI-compatible completions that reuse chunk KV "
                   "caches", lifespan=lifespan)

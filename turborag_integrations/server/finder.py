@@ -138,9 +138,12 @@ class ChunkFinder:
         """Index `texts` for good (a registry that drops them later does not unindex them);
         return how many were not indexed before."""
         texts = list(texts)
+        # Held across the index's update too: lookups run on several threads, and a registry
+        # follow between the two steps would see these texts unindexed, take them for the
+        # registry's own, and unindex them when the registry drops them.
         with self._lock:
             self._mirrored.difference_update(texts)
-        return self.index.add(texts)
+            return self.index.add(texts)
 
     def find(self, prompt: str) -> list[str]:
         """The known texts `prompt` contains verbatim (see `ChunkIndex.find`)."""

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -119,20 +120,21 @@ class Reply:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events that cancel their job however the response ends.
+    """Server-sent events that call `on_close` however the response ends (the server aborts
+    the request's generation there).
 
     A client that disconnects makes Starlette cancel the response while its body waits for the
-    next delta; the body is left suspended, so this is where the job learns it.
+    next delta; the body is left suspended, so this is where the generation learns it.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events, job):
+    def __init__(self, events, on_close: Callable[[], None]):
         super().__init__(events, headers={"Cache-Control": "no-cache"})
-        self.job = job
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            self.on_close()

@@ -1,21 +1,31 @@
 """What the endpoints do with the engine: answer a prompt (whole or streamed), ingest chunks.
 
-All work on the model runs on the batch scheduler's thread (core/batching.py): answers are
-submitted to the scheduler and decoded together with the others in flight; finding a prompt's
-chunks, encoding the chunks a request names, and ingestion run there as calls between two
-decoding rounds. Each request waits for its work as a job on a thread of its own (jobs.py).
+A request's life runs on the event loop, with no thread of its own:
+
+1. its chunks are found in its prompt (finder.py) on a small pool of lookup threads: text work,
+   kept off the event loop (milliseconds for a long prompt) and off the model's thread; chunks
+   the request names are encoded first, on the model's thread (`scheduler.call`);
+2. it is added to the batch scheduler under its id (the answer's id, `chatcmpl-…`), whose
+   worker thread, the only one that runs the model, decodes it with the others in flight and
+   reports its token ids;
+3. the output loop (outputs.py) turns those ids into its text on the event loop, and the
+   handler answers from its queue of events.
 
 A request waits for its first event before it answers, so that an error while prefilling (a
-prompt too long for the context window) is still an HTTP error and not a broken stream; while it
-waits it checks that its client is still there, so a client that leaves while queued costs no
-prefill. At most `max_queue` requests wait so (from their arrival to their first token, or to the
-end of an ingestion); the next is refused with a 429 and a Retry-After header.
+prompt too long for the context window) is still an HTTP error and not a broken stream. A client
+that leaves is noticed as it leaves (disconnect.py) and its request aborted by id: one still
+queued costs no prefill, one in the batch frees its place at the next round. At most
+`max_queue` requests wait (from their arrival to their first token, or to the end of an
+ingestion); the next is refused with a 429 and a Retry-After header. Ingestion encodes one
+encoder batch per call on the model's thread, and indexes it on a lookup thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import AsyncIterator, Iterator
 
@@ -23,14 +33,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from ..core.batching import BatchScheduler, RequestCancelled
+from ..core.batching import BatchScheduler
 from ..core.engine import TurboRAGEngine
+from ..core.run import GenerationResult
 from ..core.settings import GenerationConfig
 from ..core.store.namespaces import PUBLIC, namespace_of, readable
+from .disconnect import ClientGone, Disconnection
 from .finder import ChunkFinder
-from .jobs import Event, Job
 from .keys import Principal
 from .metrics import Metrics
+from .outputs import Event, OutputLoop, RequestStream
 from .responses import APIError, EventStream, Reply, clip, sse
 from .schemas import ChunksRequest, CompletionParams
 
@@ -41,6 +53,9 @@ CLIENT_GONE = 499
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 RETRY_AFTER_S = 1  # what a refused request is told to wait: a place frees up per finished answer
 NOBODY = Principal("")  # the caller on a server without keys
+# Threads that find chunks in prompts and index chunk texts: a lookup takes milliseconds under
+# the GIL, so more threads would only queue for it.
+LOOKUP_THREADS = 2
 
 
 def request_namespace(principal: Principal, salt: str | None, public: bool = False) -> str:
@@ -73,6 +88,12 @@ class Service:
         self.mode = mode
         self.max_queue = max_queue
         self.waiting = 0  # requests waiting for the model (touched on the event loop only)
+        self.outputs = OutputLoop(scheduler)
+        self.lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="turborag-lookup")
+
+    def close(self) -> None:
+        """Let the lookup threads go (once the scheduler has stopped)."""
+        self.lookups.shutdown(wait=False, cancel_futures=True)
 
     @contextmanager
     def _queued(self) -> Iterator[None]:
@@ -136,32 +157,45 @@ class Service:
         mode = req.turborag_mode or self.mode
         named = list(dict.fromkeys(req.turborag_chunks or ())) if mode == "turbo" else []
         principal = principal_of(request)
-        namespace = request_namespace(principal, req.cache_salt)
-        with self._queued():
-            job = Job(lambda job: self._generate(job, prompt, named, config, mode, reply.id,
-                                                 namespace, principal))
-            event = await job.next(request)
-        if event is None:
-            return Response(status_code=CLIENT_GONE)
-        if event[0] == "error":
-            return APIError.of(event[1]).response()
-        if req.stream:
-            return EventStream(self._events(event, job, reply, req.include_usage), job)
-        while event[0] == "delta":  # the result holds the whole text
-            event = await job.next(request)
+        view = self.view(request_namespace(principal, req.cache_salt))
+        with Disconnection(request) as client:
+            with self._queued():
+                try:
+                    chunks, lookup_s = ((await client.wait(self._chunks_in(prompt, named, view)))
+                                        if mode == "turbo" else ([], 0.0))
+                    stream = self.outputs.add(
+                        reply.id, prompt, chunks=chunks, config=config, mode=mode, engine=view,
+                        on_end=lambda result: self._ended(result, reply.id, lookup_s, principal))
+                except ClientGone:  # it left during the lookup: never submitted
+                    return Response(status_code=CLIENT_GONE)
+                except Exception as exc:
+                    return APIError.of(exc).response()
+                client.on_gone(lambda: self.outputs.abort(reply.id))
+                event = await stream.next()
             if event is None:
                 return Response(status_code=CLIENT_GONE)
+            if event[0] == "error":
+                return APIError.of(event[1]).response()
+            if req.stream:  # Starlette watches the connection from here (disconnect.py)
+                return EventStream(self._events(event, stream, reply, req.include_usage),
+                                   on_close=lambda: self.outputs.abort(reply.id))
+            while event[0] == "delta":  # the result holds the whole text
+                event = await stream.next()
+                if event is None:
+                    return Response(status_code=CLIENT_GONE)
         if event[0] == "error":
             return APIError.of(event[1]).response()
         return JSONResponse(reply.body(event[1]))
 
-    async def _events(self, event: Event, job: Job, reply: Reply,
+    async def _events(self, event: Event, stream: RequestStream, reply: Reply,
                       include_usage: bool) -> AsyncIterator[str]:
         for chunk in reply.opening():
             yield sse(chunk)
         while event[0] == "delta":
             yield sse(reply.chunk(event[1]))
-            event = await job.next()
+            event = await stream.next()
+            if event is None:  # aborted: its client has gone
+                return
         if event[0] == "error":  # after the first token: the stream reports it and ends
             yield sse(APIError.of(event[1]).body)
             return
@@ -169,52 +203,34 @@ class Service:
             yield sse(chunk)
         yield sse("[DONE]")
 
-    def _generate(self, job: Job, prompt: str, named: list[str], config: GenerationConfig,
-                  mode: str, label: str, namespace: str, principal: Principal) -> None:
-        """On the job's thread: find the chunks, then post the answer's deltas as the scheduler
-        decodes them; stop when the job is cancelled."""
-        chunks, lookup_s = [], 0.0
-        view = self.view(namespace)
-        if mode == "turbo":
-            chunks, lookup_s = self.scheduler.call(
-                lambda: self._chunks_in(prompt, named, view)).result()
-        if job.cancelled.is_set():  # the client left during the lookup
-            return
-        stream = self.scheduler.submit(prompt, chunks=chunks, config=config, mode=mode,
-                                       cancelled=job.cancelled, engine=view)
-        try:
-            for delta in stream:
-                if job.cancelled.is_set():
-                    break
-                job.post("delta", delta)
-        except RequestCancelled:  # the client left while the request waited for its turn
-            return
-        finally:
-            stream.close()  # no-op once it has run to its end; else it leaves the batch now
-            result = stream.result
-            if result is not None:  # None: the prefill failed (the error is posted)
-                if job.cancelled.is_set():  # the scheduler may have ended it first
-                    result.stats.finish_reason = "cancelled"
-                result.stats.extra["chunk_lookup_s"] = lookup_s
-                self.metrics.generation(result.stats,
-                                        tenant=principal.tenant if self.tenants else None)
-                log.info("%s: %s after %d tokens (%d of %d prompt tokens reused)", label,
-                         result.stats.finish_reason, result.stats.new_tokens,
-                         result.stats.reused_tokens, result.stats.prompt_tokens)
-        job.post("done", result)
+    def _ended(self, result: GenerationResult, label: str, lookup_s: float,
+               principal: Principal) -> None:
+        """A generation has ended, however: count it, and log it."""
+        result.stats.extra["chunk_lookup_s"] = lookup_s
+        self.metrics.generation(result.stats, tenant=principal.tenant if self.tenants else None)
+        log.info("%s: %s after %d tokens (%d of %d prompt tokens reused)", label,
+                 result.stats.finish_reason, result.stats.new_tokens,
+                 result.stats.reused_tokens, result.stats.prompt_tokens)
 
-    def _chunks_in(self, prompt: str, named: list[str],
-                   view: TurboRAGEngine) -> tuple[list[str], float]:
-        """On the scheduler's thread: encode the named chunks that have no blob yet (in the
-        request's namespace), then the chunks to reuse (those of its namespace and the public
-        one found in the prompt, and the named ones) and the lookup's time."""
+    async def _chunks_in(self, prompt: str, named: list[str],
+                         view: TurboRAGEngine) -> tuple[list[str], float]:
+        """The chunks to reuse (those of the request's namespace and the public one found in
+        the prompt, and the named ones) and the lookup's time. Named chunks that have no blob
+        yet are encoded first, in the request's namespace, on the model's thread."""
         if named:
-            view.prepare_chunks(named, warm=False)
-            self.finder(view.namespace).add(named)
+            await asyncio.wrap_future(
+                self.scheduler.call(lambda: view.prepare_chunks(named, warm=False)))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.lookups, self._find, prompt, named, view.namespace)
+
+    def _find(self, prompt: str, named: list[str], namespace: str) -> tuple[list[str], float]:
+        """On a lookup thread: index the named chunks, then find the known ones in `prompt`."""
+        if named:
+            self.finder(namespace).add(named)
         started = time.perf_counter()
         found = []
-        for namespace in readable(view.namespace):
-            finder = self.finders.get(namespace)
+        for readable_namespace in readable(namespace):
+            finder = self.finders.get(readable_namespace)
             if finder is not None:
                 found += finder.find(prompt)
         return list(dict.fromkeys([*found, *named])), time.perf_counter() - started
@@ -227,32 +243,31 @@ class Service:
 
         namespace = request_namespace(principal_of(request), req.cache_salt, req.public)
         view, finder = self.engine.namespaced(namespace), self.finder(namespace)
-
-        def encode(job: Job) -> None:
-            # One encoder batch per call: the requests in flight decode between two batches.
-            step = self.engine.encoder.batch_size
-            keys, indexed = [], 0
-            for start in range(0, len(req.texts), step):
-                if job.cancelled.is_set():
-                    return
-                texts = req.texts[start:start + step]
-                doc_ids = [req.doc_id] * len(texts) if req.doc_id else None
-                done = self.scheduler.call(lambda texts=texts, doc_ids=doc_ids: (
-                    view.encode_chunks(texts, doc_ids=doc_ids), finder.add(texts)))
-                part, added = done.result()
-                keys += part
-                indexed += added
-            job.post("done", {"keys": keys, "indexed": indexed})
-
-        with self._queued():
-            event = await Job(encode).next(request)
-        if event is None:
-            return Response(status_code=CLIENT_GONE)
-        if event[0] == "error":
-            return APIError.of(event[1]).response()
-        done = event[1]
-        return JSONResponse({"object": "list", "keys": done["keys"], "indexed": done["indexed"],
+        step = self.engine.encoder.batch_size
+        keys, indexed = [], 0
+        with Disconnection(request) as client, self._queued():
+            try:
+                for start in range(0, len(req.texts), step):
+                    texts = req.texts[start:start + step]
+                    doc_ids = [req.doc_id] * len(texts) if req.doc_id else None
+                    part, added = await client.wait(self._encode(view, finder, texts, doc_ids))
+                    keys += part
+                    indexed += added
+            except ClientGone:  # the batch under way is still encoded and indexed
+                return Response(status_code=CLIENT_GONE)
+            except Exception as exc:
+                return APIError.of(exc).response()
+        return JSONResponse({"object": "list", "keys": keys, "indexed": indexed,
                              "total_indexed": len(finder)})
+
+    async def _encode(self, view: TurboRAGEngine, finder: ChunkFinder, texts: list[str],
+                      doc_ids: list[str] | None) -> tuple[list[str], int]:
+        """Encode one encoder batch on the model's thread (the requests in flight decode between
+        two batches), then index it on a lookup thread."""
+        keys = await asyncio.wrap_future(
+            self.scheduler.call(lambda: view.encode_chunks(texts, doc_ids=doc_ids)))
+        added = await asyncio.get_running_loop().run_in_executor(self.lookups, finder.add, texts)
+        return keys, added
 
 
 def principal_of(request: Request) -> Principal:
