@@ -177,6 +177,22 @@ def test_vllm_prints_the_server_command_with_the_connector(tmp_path, model_dir):
     assert config["kv_connector_extra_config"]["store"] == str(tmp_path / "kv")
 
 
+def test_vllm_ingest_starts_the_connector_as_kv_both_with_training_free_blobs(tmp_path,
+                                                                              model_dir):
+    import shlex
+
+    result = runner.invoke(app, ["vllm", "--model", model_dir, "--store", str(tmp_path / "kv"),
+                                 "--ingest", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.output.strip().splitlines()[-1])
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_role"] == "kv_both"
+    assert config["kv_connector_extra_config"]["encoder"] == "none"
+    result = runner.invoke(app, ["vllm", "--model", model_dir, "--ingest", "--encoder",
+                                 "smollm2-135m-instruct", "--dry-run"])
+    assert result.exit_code == 2 and "training-free" in result.output
+
+
 def test_vllm_refuses_what_is_not_a_model(tmp_path):
     result = runner.invoke(app, ["vllm", "--model", str(tmp_path), "--dry-run"])
     assert result.exit_code == 2 and "config.json" in result.output

@@ -401,6 +401,9 @@ def vllm(
     python: Optional[Path] = typer.Option(None, help="python of vLLM's venv (default "
                                           "$TURBORAG_VLLM_PYTHON or ./.venv-vllm/bin/python)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the command, do not run it"),
+    ingest: bool = typer.Option(False, "--ingest", help="kv_both: vLLM also stores the chunks "
+                                "sent to it for ingestion (turborag_integrations.vllm.ingest); "
+                                "training-free blobs only, so the encoder defaults to none"),
 ):
     """Start stock vLLM's OpenAI server with the TurboRAG connector: requests whose cache_salt
     starts with "turborag" reuse the stored chunk KV blobs (docs/vllm.md). Arguments after the
@@ -417,6 +420,12 @@ def vllm(
     problem = python_is_usable(python)
     if problem and not dry_run:
         _fail(problem)
+    if ingest:
+        # vLLM's prefill runs the stock weights: it cannot make a learned encoder's blobs
+        if encoder not in ("default", "none"):
+            _fail(f"--ingest makes training-free blobs: vLLM cannot run the learned encoder "
+                  f"{encoder!r}; use --encoder none (or ingest with `turborag ingest`)")
+        encoder = "none"
     if model in CATALOG:
         model_dir = prepare_bundled(model)
         # a folder has no bundled encoder of its own: name the model's
@@ -428,7 +437,7 @@ def vllm(
             _fail(f"{model}: not a bundled model name nor a model folder with a config.json")
     config = kv_transfer_config(store or str(default_store_path()), encoder=encoder,
                                 store_dir=str(store_dir) if store_dir else None,
-                                blob_dtype=blob_dtype)
+                                blob_dtype=blob_dtype, ingest=ingest)
     argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
                        max_model_len=max_model_len, served_name=served, enforce_eager=eager,
                        extra=ctx.args)

@@ -29,12 +29,15 @@ class Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def connector(model_dir: str, store: str, hf_config=None) -> TurboRAGConnector:
-    ktc = KVTransferConfig(kv_connector="TurboRAGConnector", kv_role="kv_consumer",
+def connector(model_dir: str, store: str, hf_config=None, *, role: str = "kv_consumer",
+              tensor_parallel: int = 1, **extra) -> TurboRAGConnector:
+    """The scheduler's connector, built as vLLM builds it at startup."""
+    ktc = KVTransferConfig(kv_connector="TurboRAGConnector", kv_role=role,
                            kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"store": store, "refresh_s": 0})
+                           kv_connector_extra_config={"store": store, "refresh_s": 0, **extra})
     config = SimpleNamespace(
         kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=128),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel),
         model_config=SimpleNamespace(model=model_dir, dtype=torch.float32,
                                      hf_config=hf_config or AutoConfig.from_pretrained(model_dir)))
     return TurboRAGConnector(config, KVConnectorRole.SCHEDULER, None)

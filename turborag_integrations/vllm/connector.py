@@ -43,6 +43,16 @@ The scheduler process holds an HF copy of the model (CPU, vLLM's dtype): it comp
 fingerprints exactly as the HF engine that ingested them did, and it encodes prompt heads —
 the text before the first chunk, a causal prefill of which is exact — the first time it sees
 one.
+
+Save side (ingestion, `"kv_role": "kv_both"`): a request whose `kv_transfer_params` holds
+`"turborag_ingest": true` and whose prompt is the anchor's token ids then a chunk's (ingest.py)
+is prefilled by vLLM like any other; in the step that completes its prompt the scheduler sends
+its block ids, `save_kv_layer` reads every layer's keys and values of the chunk's positions off
+the paged cache (layout.py: the layout is learned from the backend's own cache write) and
+`wait_for_save` stores them as the blob `ChunkEncoder` makes — same fingerprint, encoding,
+base_position and key. Prefix-cache hits are read like computed blocks: they hold the causal KV
+of the same tokens. Training-free encodings only, on one rank, in the model's dtype: anything
+else is refused at startup (`_check_save_support`).
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..core.prefill.anchor import DEFAULT_ANCHOR
-from ..core.kv.blob import Fingerprint
+from ..core.kv.blob import Fingerprint, KVBlob
 from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
 from ..core.prefill.token_spans import non_overlapping
@@ -71,6 +81,8 @@ from ..core.store import KVStore
 from ..core.store.namespaces import readable
 from .claim import Claim, ClaimedSpan, plan_claim, salt_namespace
 from .heads import rank_heads
+from .ingest import IngestPlan, IngestRequestError, plan_ingest, wants_ingest
+from .layout import BlockLayout, UnreadableCacheLayout, probe_layout
 from .metrics import TurboRAGConnectorStats, TurboRAGPromMetrics
 
 log = logging.getLogger("turborag.vllm")
@@ -91,6 +103,31 @@ class LoadRequest:
 
 
 @dataclass
+class SaveRequest:
+    """What the worker stores for one ingestion request: its chunk's KV, read off its blocks."""
+
+    req_id: str
+    plan: IngestPlan
+    block_ids: list[int]
+
+
+@dataclass
+class Ingestion:
+    """The scheduler's record of one ingestion request, until it finishes."""
+
+    plan: IngestPlan | None = None
+    key: str = ""
+    error: str = ""
+    existing: bool = False  # stored before: nothing to save
+    block_ids: list[int] = field(default_factory=list)
+    sent: bool = False  # handed to the worker
+
+    @property
+    def wanted(self) -> bool:
+        return self.plan is not None and not (self.error or self.existing or self.sent)
+
+
+@dataclass
 class Space:
     """The scheduler's view of one store namespace: its engine view and its span index."""
 
@@ -104,6 +141,7 @@ class Space:
 @dataclass
 class TurboRAGConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
     chunk_fp: Fingerprint | None = None
     prefix_fp: Fingerprint | None = None
 
@@ -115,6 +153,31 @@ def open_store(spec: str, *, memory_bytes: int, store_dir: str | None = None) ->
     if spec.startswith(("redis://", "rediss://", "unix://")):
         return KVStore(store_dir, remote_url=spec, memory_bytes=memory_bytes)
     return KVStore(spec, remote_url="", memory_bytes=memory_bytes)
+
+
+def _check_save_support(vllm_config, extra: dict) -> None:
+    """Refuse, at startup, a save side whose blobs would not be `ChunkEncoder`'s: a blob holds
+    every KV head of every layer, in the dtype its fingerprint names."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if tp > 1 or pp > 1:
+        # a rank holds some KV heads (tensor) or some layers (pipeline); gathering them across
+        # ranks is not written
+        raise ValueError(
+            f"TurboRAGConnector saves chunk blobs from one rank only (tensor_parallel_size "
+            f"{tp}, pipeline_parallel_size {pp}): ingest with a single-rank vLLM — its blobs "
+            "serve vLLMs of any rank count — and run this one as kv_consumer")
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    if cache_dtype not in (None, "auto"):
+        raise ValueError(f"TurboRAGConnector cannot save blobs from a {cache_dtype} KV cache: a "
+                         "blob holds the model dtype's keys and values (use --kv-cache-dtype "
+                         "auto, or kv_consumer)")
+    dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+    if extra.get("blob_dtype") and str(extra["blob_dtype"]).replace("torch.", "") != dtype:
+        raise ValueError(f"TurboRAGConnector saves blobs in vLLM's dtype ({dtype}), not in "
+                         f"blob_dtype {extra['blob_dtype']!r}: drop blob_dtype, or run vLLM in "
+                         f"{extra['blob_dtype']} to ingest")
 
 
 def _head_engine(model_path: str, dtype: torch.dtype, extra: dict, store: KVStore):
@@ -161,6 +224,11 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 self._off(f"the store {extra['store']!r} cannot be opened: {exc}")
         self.chunk_fp = self.prefix_fp = None
         self._public = bool(extra.get("public", True))
+        self._off_reason = ""
+        # kv_both (or kv_producer): ingestion requests are saved as blobs
+        self._ingests = bool(getattr(cfg, "is_kv_producer", False))
+        if self._ingests:
+            _check_save_support(vllm_config, extra)
         if role == KVConnectorRole.SCHEDULER:
             self._min_tokens = int(extra.get("min_chunk_tokens", 8))
             self._spaces: OrderedDict[str, Space] = OrderedDict()
@@ -169,16 +237,30 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._claims: dict[str, Claim] = {}
             self._named: dict[str, dict] = {}  # req_id -> counts of the chunks it named
             self._max_head = int(extra.get("max_head_tokens", 512))
+            self._ingestions: dict[str, Ingestion] = {}
             if self._enabled:
                 self._start_scheduler(model_config, extra)
+            if self._ingests and self._enabled and self._engine.learned is not None:
+                raise ValueError(
+                    f"TurboRAGConnector: kv_role {cfg.kv_role!r} saves chunk blobs, but the "
+                    f"configured encoder is the learned one ({self._engine.learned.name}): its "
+                    "soft tokens and encode-only LoRA are not in the weights vLLM runs, so "
+                    "vLLM's prefill cannot make its blobs. Set \"encoder\": \"none\" in "
+                    "kv_connector_extra_config (training-free blobs, with or without an "
+                    "anchor), or ingest with the HF engine and run vLLM as kv_consumer.")
         else:
             self._tp: tuple[int, int] | None = None  # (rank, ranks), read at the first load
             self._load_errors: set[int] = set()
             self._stats = TurboRAGConnectorStats()  # since vLLM last collected them
+            self._layers = int(getattr(model_config.hf_config, "num_hidden_layers", 0))
+            self._layouts: dict[tuple, BlockLayout] = {}
+            self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            self._saving: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _off(self, reason: str) -> None:
         """Serve every request causally, and say why once."""
         self._enabled = False
+        self._off_reason = reason
         log.warning("TurboRAG is off: %s. vLLM computes every request itself.", reason)
 
     def _start_scheduler(self, model_config, extra: dict) -> None:
@@ -305,6 +387,11 @@ class TurboRAGConnector(KVConnectorBase_V1):
         return readable(namespace, self._public)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = getattr(request, "kv_transfer_params", None)
+        if wants_ingest(params):
+            # an ingestion request is computed, never claimed: its blob must be vLLM's prefill
+            self._ingestions[request.request_id] = self._plan_ingestion(request, params)
+            return 0, False
         namespaces = self._namespaces(request) if self._enabled else None
         if namespaces is None:
             return 0, False
@@ -334,6 +421,64 @@ class TurboRAGConnector(KVConnectorBase_V1):
         self._pending[request.request_id] = (claim, num_computed_tokens, namespaces)
         return claim.end - num_computed_tokens, False
 
+    def _plan_ingestion(self, request, params: dict) -> Ingestion:
+        if not self._ingests:
+            role = self._kv_transfer_config.kv_role
+            return Ingestion(error=f"this vLLM's connector runs as {role!r}: ingestion needs "
+                                   '"kv_role": "kv_both"')
+        if not self._enabled:
+            return Ingestion(error=f"TurboRAG is off in this vLLM: {self._off_reason}")
+        encoder = self._engine.encoder
+        try:
+            plan = plan_ingest(params, request.prompt_token_ids or [], encoder.anchor_ids,
+                               max_chunk_tokens=encoder.max_chunk_tokens,
+                               salt=request.cache_salt, salt_prefix=self._salt_prefix)
+        except IngestRequestError as exc:
+            return Ingestion(error=str(exc))
+        store = self._store.namespace(plan.namespace)
+        key = store.key(self.chunk_fp, plan.chunk_ids)
+        existing = store.contains(key)
+        if existing and plan.doc_id:
+            store.add_ref(key, plan.doc_id)  # as encode_chunks records a chunk stored before
+        return Ingestion(plan, key, existing=existing)
+
+    def _ingestion_result(self, ingestion: Ingestion) -> dict:
+        if ingestion.error:
+            return {"error": ingestion.error}
+        plan = ingestion.plan
+        # the worker stored it (or failed) in the step that completed the prompt, before vLLM
+        # finished the request: the store says which
+        stored = ingestion.existing or (
+            ingestion.sent and self._store.namespace(plan.namespace).contains(ingestion.key))
+        result = {"key": ingestion.key, "tokens": len(plan.chunk_ids), "stored": stored,
+                  "existing": ingestion.existing}
+        if not stored:
+            result["error"] = ("the worker did not store the blob (vLLM's log says why)"
+                               if ingestion.sent else
+                               "the request ended before its prompt was computed")
+        return result
+
+    def _schedule_saves(self, meta: TurboRAGConnectorMetadata, scheduler_output) -> None:
+        """Hand the worker each ingestion request whose prompt this step completes, with all its
+        blocks (those computed in earlier steps of a chunked prefill and the prefix-cache hits
+        included: the worker reads the chunk's KV off them)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        steps = [(new.req_id, new.block_ids, False, new.num_computed_tokens)
+                 for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += [(req_id, cached.new_block_ids[i], req_id not in cached.resumed_req_ids,
+                   cached.num_computed_tokens[i]) for i, req_id in enumerate(cached.req_ids)]
+        for req_id, block_ids, append, computed in steps:
+            ingestion = self._ingestions.get(req_id)
+            if ingestion is None or not ingestion.wanted:
+                continue
+            if block_ids is not None:
+                new_blocks = list(block_ids[0])
+                ingestion.block_ids = ingestion.block_ids + new_blocks if append else new_blocks
+            if computed + scheduled.get(req_id, 0) >= ingestion.plan.prompt_len:
+                meta.saves.append(SaveRequest(req_id, ingestion.plan, list(ingestion.block_ids)))
+                ingestion.sent = True
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens == 0:
             self._pending.pop(request.request_id, None)
@@ -355,9 +500,14 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 if block_ids is not None:
                     meta.loads.append(LoadRequest(req_id, claim.spans, first, list(block_ids[0]),
                                                   namespaces))
+        if self._ingestions:
+            self._schedule_saves(meta, scheduler_output)
         return meta
 
     def request_finished(self, request, block_ids):
+        ingestion = self._ingestions.pop(request.request_id, None)
+        if ingestion is not None:
+            return False, {"turborag": {"ingest": self._ingestion_result(ingestion)}}
         claim = self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         named = self._named.pop(request.request_id, None) or {}
@@ -440,10 +590,73 @@ class TurboRAGConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return
+        """Copy this layer's keys and values of each ingestion request's chunk off the paged
+        cache (this step's tokens are in it already: vLLM writes the cache before attention)."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TurboRAGConnectorMetadata) or not meta.saves:
+            return
+        m = _LAYER.search(layer_name)
+        if m is None:
+            return
+        from vllm.forward_context import get_forward_context
+
+        layer = get_forward_context().no_compile_layers[layer_name]
+        try:
+            layout = self._layout(layer, kv_layer)
+        except UnreadableCacheLayout as exc:
+            log.warning("TurboRAG: no blob saved from layer %s: %s", layer_name, exc)
+            return
+        for save in meta.saves:
+            plan = save.plan
+            self._saving.setdefault(save.req_id, {})[int(m.group(1))] = tuple(
+                t.cpu() for t in layout.read(kv_layer, save.block_ids, plan.anchor_len,
+                                             plan.prompt_len))
+
+    def _layout(self, layer, kv_cache: torch.Tensor) -> BlockLayout:
+        """The backend's block layout, probed once per cache shape (layout.py)."""
+        heads, head_size = int(layer.num_kv_heads), int(layer.head_size)
+        key = (type(layer.impl), getattr(layer, "isa", None), tuple(kv_cache.shape[1:]),
+               kv_cache.dtype, heads, head_size)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if self._num_blocks and kv_cache.shape[0] != self._num_blocks:
+                # the probe writes one block of a cache indexed by block first (vLLM's logical
+                # per-layer view); anything else is not ours to write into, even as scratch
+                raise UnreadableCacheLayout(
+                    f"the cache of shape {tuple(kv_cache.shape)} is not indexed by its "
+                    f"{self._num_blocks} blocks first")
+
+            def write(k, v, cache, slots):
+                layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+
+            layout = self._layouts[key] = probe_layout(write, kv_cache, heads, head_size,
+                                                       self._block_size)
+        return layout
 
     def wait_for_save(self):
-        return
+        """Store the blobs of the chunks read in this step: a full disk or a missing layer
+        costs that blob (logged; the request's response says it was not stored), never the
+        step."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TurboRAGConnectorMetadata) or not meta.saves:
+            return
+        saving, self._saving = self._saving, {}
+        for save in meta.saves:
+            plan, layers = save.plan, saving.get(save.req_id, {})
+            try:
+                if sorted(layers) != list(range(self._layers)):
+                    raise RuntimeError(f"{len(layers)} of the model's {self._layers} layers "
+                                       "were read")
+                if self._store is None:
+                    raise RuntimeError("this worker could not open the store")
+                blob = KVBlob(token_ids=torch.tensor(plan.chunk_ids, dtype=torch.long),
+                              keys=torch.stack([layers[i][0] for i in range(self._layers)]),
+                              values=torch.stack([layers[i][1] for i in range(self._layers)]),
+                              fingerprint=meta.chunk_fp, base_position=plan.anchor_len)
+                self._store.namespace(plan.namespace).put(blob, doc_id=plan.doc_id)
+            except Exception as exc:
+                log.warning("TurboRAG: the chunk of request %s was not stored: %s",
+                            save.req_id, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

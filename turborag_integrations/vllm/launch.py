@@ -25,7 +25,9 @@ def default_python() -> Path:
 
 def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | None = None,
                        min_chunk_tokens: int | None = None, store_dir: str | None = None,
-                       blob_dtype: str | None = None) -> dict:
+                       blob_dtype: str | None = None, ingest: bool = False) -> dict:
+    """The connector's config; `ingest`: kv_both, vLLM also stores the chunks it is sent for
+    ingestion (vllm/ingest.py)."""
     extra: dict = {"store": str(store)}
     for key, value in (("encoder", encoder), ("anchor", anchor),
                        ("min_chunk_tokens", min_chunk_tokens), ("store_dir", store_dir),
@@ -34,7 +36,8 @@ def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | 
             extra[key] = value
     # a blob unreadable at load time: vLLM recomputes its tokens rather than failing the request
     return {"kv_connector": "TurboRAGConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_role": "kv_both" if ingest else "kv_consumer",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
 
 

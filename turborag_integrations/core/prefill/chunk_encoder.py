@@ -18,7 +18,7 @@ from ..errors import EmptyChunkError
 from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
 from ..transformers_api import output_cache
 
-__all__ = ["ChunkEncoder", "anchor_encoding", "ProgressFn"]
+__all__ = ["ChunkEncoder", "anchor_encoding", "chunk_token_ids", "ProgressFn"]
 
 ProgressFn = Callable[[int, int], None]  # (done, total)
 
@@ -29,6 +29,24 @@ def anchor_encoding(anchor_ids: Sequence[int]) -> str:
         return PLAIN
     ids = torch.as_tensor(list(anchor_ids), dtype=torch.int64).numpy().tobytes()
     return f"anchor:{len(anchor_ids)}:{_digest(ids, size=8)}"
+
+
+def chunk_token_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+    """A chunk's token ids, as every blob of it is keyed: its text alone, no special tokens.
+
+    A function of the tokenizer only, so that a client that has no model (one that sends chunks
+    to vLLM's save side, vllm/ingest.py) tokenizes exactly as the encoder does."""
+    if not text or not text.strip():
+        raise EmptyChunkError("cannot encode an empty chunk: give it some text (whitespace "
+                              "alone has nothing to cache)")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise EmptyChunkError(f"chunk {text[:40]!r} produced no tokens")
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise EmptyChunkError(
+            f"chunk of {len(ids)} tokens exceeds the model's window of "
+            f"{max_tokens}; split it into smaller chunks")
+    return ids
 
 
 class ChunkEncoder:
@@ -65,17 +83,7 @@ class ChunkEncoder:
         return len(self.anchor_ids) + self.num_soft
 
     def tokenize(self, text: str) -> list[int]:
-        if not text or not text.strip():
-            raise EmptyChunkError("cannot encode an empty chunk: give it some text (whitespace "
-                                  "alone has nothing to cache)")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise EmptyChunkError(f"chunk {text[:40]!r} produced no tokens")
-        if len(ids) > self.max_chunk_tokens:
-            raise EmptyChunkError(
-                f"chunk of {len(ids)} tokens exceeds the model's window of "
-                f"{self.max_chunk_tokens}; split it into smaller chunks")
-        return ids
+        return chunk_token_ids(self.tokenizer, text, self.max_chunk_tokens)
 
     def encode(self, text: str) -> KVBlob:
         return self.encode_many([text])[0]

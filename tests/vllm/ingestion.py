@@ -1,0 +1,169 @@
+"""Run inside vLLM's venv: chunk blobs made by vLLM's own prefill (the connector's save side,
+kv_both), against ChunkEncoder's.
+
+    .venv-vllm/bin/python tests/vllm/ingestion.py MODEL_DIR OUT.json
+
+One vLLM (float32, encoder none, the chat anchor) ingests the chunks; the HF engine encodes the
+same chunks with ChunkEncoder into another store; both stores' blobs and the answers stitched
+from them are compared. Writes one JSON object; tests/vllm/test_vllm_ingestion.py asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if (os.cpu_count() or 1) <= 2 else "auto")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from exactness import CHUNKS, HEAD, NEW_TOKENS, question  # noqa: E402
+
+# longer than two of vLLM's CPU blocks (128 tokens): computed over several steps (at most
+# BATCH_TOKENS a step), and read back partly from vLLM's prefix cache when ingested again
+LONG = (
+    "The Greywater canal was cut between 1791 and 1803 to carry slate from the Brenn quarries "
+    "to the sea. It climbs 96 metres through a flight of twenty-two locks at Holloway, each "
+    "worked by hand, and crosses the river Tamm on a stone aqueduct of nine arches designed by "
+    "the surveyor Elias Marrow. Horse-drawn boats took two days from the quarries to the port "
+    "of Saltmouth, where the slate was loaded onto coastal ships bound for the growing towns of "
+    "the north. Trade peaked in 1860, when more than four hundred boats were registered on the "
+    "canal, and declined after the railway reached Brenn in 1874. The last commercial cargo, a "
+    "load of roofing slate, passed through Holloway in 1931. A volunteer trust formed in 1968 "
+    "restored the locks one by one; the flight reopened to pleasure boats in 1994, and the "
+    "aqueduct was listed as a monument in 2001. Today the towpath is a footpath and cycle route "
+    "of forty kilometres, and the old lock-keeper's cottage at the top of the flight houses a "
+    "small museum of canal life, open on weekends from April to October.\n")
+BATCH_TOKENS = 128
+
+
+def main(model_dir: str, out_path: str) -> None:
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.prefill.stitch import plan_prompt
+    from turborag_integrations.core.settings import GenerationConfig
+    from turborag_integrations.core.store import KVStore
+    from turborag_integrations.vllm.ingest import chunk_prompt, ingest_params
+
+    from offline import connector
+
+    results: dict = {}
+    # refused at startup, as vLLM builds the scheduler's connector: the bundled model's learned
+    # encoder (what "encoder" defaults to), and two tensor-parallel ranks
+    for name, kwargs in (("learned", {}), ("tensor_parallel", {"tensor_parallel": 2,
+                                                                "encoder": "none"})):
+        try:
+            connector(model_dir, tempfile.mkdtemp(), role="kv_both", **kwargs)
+            results[f"{name}_refused"] = None
+        except ValueError as exc:
+            results[f"{name}_refused"] = str(exc)
+
+    vllm_store, hf_store = tempfile.mkdtemp(prefix="vllm-made-"), tempfile.mkdtemp(prefix="hf-")
+    engine = TurboRAGEngine(model_dir, store=hf_store, encoder=None, progress=False)
+    texts = CHUNKS + [LONG]
+    prompts = [chunk_prompt(engine.tokenizer, t) for t in texts]
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(
+        kv_connector="TurboRAGConnector",
+        kv_connector_module_path="turborag_integrations.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"store": vllm_store, "encoder": "none", "refresh_s": 0})
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, kv_transfer_config=ktc,
+              max_model_len=2048, max_num_batched_tokens=BATCH_TOKENS, seed=0)
+
+    def ingest(requests):
+        """[(prompt ids, kv_transfer_params)] → each request's result and prefix-cache hits."""
+        params = [SamplingParams(temperature=0, max_tokens=1, extra_args={
+            "kv_transfer_params": p}) for _, p in requests]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in requests], params,
+                            use_tqdm=False)
+        return [{**((o.kv_transfer_params or {}).get("turborag") or {}).get("ingest", {}),
+                 "cached_tokens": o.num_cached_tokens or 0} for o in outs]
+
+    anchor = len(engine.encoder.anchor_ids)
+    batch = [(ids, ingest_params()) for ids in prompts]
+    batch.append((prompts[0], ingest_params("acme", "doc-1")))  # a tenant's, with its document
+    batch.append((prompts[1][anchor:], ingest_params()))  # no anchor: refused
+    first = ingest(batch)
+    results["ingested"] = first[:len(texts)]
+    results["tenant"] = first[len(texts)]
+    results["no_anchor"] = first[len(texts) + 1]
+    results["again"] = ingest([(prompts[1], ingest_params())])[0]
+
+    # the HF engine's ChunkEncoder, same model, dtype and encoding, into its own store
+    hf_keys = engine.encode_chunks(texts)
+    made = KVStore(vllm_store, remote_url="", memory_bytes=0)
+    fp = engine.fingerprint
+    compare = []
+    for text, key in zip(texts, hf_keys):
+        ours, theirs = made.get(key, fp), engine.store.get(key, fp)
+        same = ours is not None
+        compare.append({
+            "found": same,
+            "fingerprint": same and ours.fingerprint == theirs.fingerprint,
+            "base_position": ours.base_position if same else None,
+            "hf_base_position": theirs.base_position,
+            "token_ids": same and ours.token_ids.tolist() == theirs.token_ids.tolist(),
+            "shape": same and ours.keys.shape == theirs.keys.shape,
+            "keys_max_abs": float((ours.keys - theirs.keys).abs().max()) if same else None,
+            "values_max_abs": float((ours.values - theirs.values).abs().max()) if same else None,
+            "keys_scale": float(theirs.keys.abs().max()),
+            "values_scale": float(theirs.values.abs().max())})
+    results["compare"] = compare
+    # what a wrong encoding would differ by: the first chunk's values encoded with no anchor
+    [plain] = engine.prefix_encoder.encode_ids([engine.encoder.tokenize(texts[0])])
+    results["values_max_abs_without_anchor"] = float(
+        (plain.values - engine.store.get(hf_keys[0], fp).values).abs().max())
+    results["hf_keys"] = hf_keys
+    results["tenant_hf_key"] = engine.namespaced("acme").chunk_key(texts[0])
+    results["tenant_stored"] = made.namespace("acme").contains(results["tenant_hf_key"])
+    results["tenant_doc_keys"] = made.namespace("acme").disk.keys_of_doc("doc-1")
+
+    # the long chunk again, its blob deleted: vLLM's prefix cache holds its first full blocks,
+    # which the worker reads back like computed ones
+    long_key = hf_keys[-1]
+    before = made.get(long_key, fp)
+    made.delete(long_key)
+    again = ingest([(prompts[-1], ingest_params())])[0]
+    after = made.get(long_key, fp)
+    results["from_prefix_cache"] = {
+        **again, "prompt_tokens": len(prompts[-1]),
+        "max_abs_vs_first": None if after is None else max(
+            float((after.keys - before.keys).abs().max()),
+            float((after.values - before.values).abs().max()))}
+
+    # answers stitched from either store's blobs: the HF engine's turbo mode, and vLLM's
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False)
+    answers = {}
+    for name, chunks, q in (("three", CHUNKS[:3], "Who completed the Varnholt bridge, and when?"),
+                            ("long", [LONG, CHUNKS[3]], "When did the canal reopen?")):
+        prompt = HEAD + "".join(chunks) + question(q)
+        hf = engine.generate(prompt, chunks=chunks, config=config)
+        ours = from_vllm.generate(prompt, chunks=chunks, config=config)
+        segments, _, _ = engine.segments(prompt, chunks)
+        ids = plan_prompt(segments, engine.tokenizer).token_ids
+        out = llm.generate([{"prompt_token_ids": ids, "cache_salt": "turborag"}],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                           use_tqdm=False)[0]
+        tokens = list(out.outputs[0].token_ids)
+        if out.outputs[0].finish_reason == "stop" and tokens and tokens[-1] in engine.eos_ids:
+            tokens.pop()  # vLLM returns the end-of-sequence token, the HF engine does not
+        answers[name] = {"hf": hf.token_ids, "hf_from_vllm_blobs": ours.token_ids,
+                         "hf_hits": hf.stats.cache_hits, "hits_from_vllm_blobs":
+                         ours.stats.cache_hits, "vllm": tokens,
+                         "vllm_params": out.kv_transfer_params, "chunks": len(chunks),
+                         "text": engine.tokenizer.decode(hf.token_ids)}
+    results["answers"] = answers
+    Path(out_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,137 @@
+"""The ingestion request both ends share (vllm/ingest.py), without vLLM: the prompt a client
+builds is what ChunkEncoder prefills, the scheduler's checks, and the HTTP client against a
+stand-in server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.conftest import tiny_model
+from turborag_integrations.core.errors import EmptyChunkError
+from turborag_integrations.core.kv.blob import fingerprint_model
+from turborag_integrations.core.prefill.anchor import anchor_ids
+from turborag_integrations.core.prefill.chunk_encoder import ChunkEncoder
+from turborag_integrations.vllm.ingest import (IngestPlan, IngestRequestError, chunk_prompt,
+                                               ingest, ingest_params, plan_ingest,
+                                               wants_ingest)
+
+TEXT = "The ferry Aldine sank in 1932 with no loss of life.\n"
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    loaded = tiny_model("llama")
+    fp = fingerprint_model(loaded.model, loaded.tokenizer, loaded.name)
+    return ChunkEncoder(loaded.model, loaded.tokenizer, fp,
+                        anchor_ids=anchor_ids("chat", loaded.tokenizer))
+
+
+def test_the_prompt_is_what_chunk_encoder_prefills(encoder):
+    ids = chunk_prompt(encoder.tokenizer, TEXT, "chat")
+    assert ids == encoder.anchor_ids + encoder.tokenize(TEXT)
+    assert chunk_prompt(encoder.tokenizer, TEXT, "none") == encoder.tokenize(TEXT)
+    with pytest.raises(EmptyChunkError):
+        chunk_prompt(encoder.tokenizer, "  \n")
+
+
+def test_the_scheduler_plans_the_chunk_after_the_anchor(encoder):
+    ids = chunk_prompt(encoder.tokenizer, TEXT)
+    plan = plan_ingest(ingest_params("acme", "doc-1"), ids, encoder.anchor_ids,
+                       max_chunk_tokens=encoder.max_chunk_tokens)
+    assert plan == IngestPlan(tuple(encoder.tokenize(TEXT)), len(encoder.anchor_ids), "acme",
+                              "doc-1")
+    assert plan.prompt_len == len(ids) and plan.anchor_len == encoder.base_position
+    # no anchor: the whole prompt is the chunk, at 0..n-1
+    assert plan_ingest(ingest_params(), ids, [], max_chunk_tokens=1000).anchor_len == 0
+    assert wants_ingest(ingest_params()) and not wants_ingest({"turborag_chunks": []})
+    assert not wants_ingest(None)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_anchor", "does not start with the"),
+    ("anchor_only", "anchor only"),
+    ("too_long", "exceeds"),
+    ("salted", "cache_salt"),
+    ("bad_namespace", "turborag_namespace"),
+    ("bad_doc", "turborag_doc_id"),
+])
+def test_requests_that_cannot_be_ingested_say_why(encoder, case, message):
+    anchor, chunk = encoder.anchor_ids, encoder.tokenize(TEXT)
+    params, prompt, salt = ingest_params(), anchor + chunk, None
+    if case == "no_anchor":
+        prompt = chunk
+    elif case == "anchor_only":
+        prompt = anchor
+    elif case == "too_long":
+        prompt = anchor + chunk * 200
+    elif case == "salted":
+        salt = "turborag:acme"
+    elif case == "bad_namespace":
+        params["turborag_namespace"] = 7
+    else:
+        params["turborag_doc_id"] = ["a"]
+    with pytest.raises(IngestRequestError, match=message):
+        plan_ingest(params, prompt, anchor, max_chunk_tokens=500, salt=salt)
+
+
+class StandIn(BaseHTTPRequestHandler):
+    """vLLM's completions endpoint as the connector answers it: the chunk's key, or a refusal."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StandIn.bodies.append((self.path, body))
+        if len(body["prompt"]) > 100:
+            reply, code = {"error": {"message": "prompt too long"}}, 400
+        else:
+            key = "k" + "-".join(map(str, body["prompt"][-3:]))
+            reply, code = {"kv_transfer_params": {"turborag": {"ingest": {
+                "key": key, "stored": True, "existing": body["prompt"][-1] == 0}}}}, 200
+        data = json.dumps(reply).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_client_sends_one_request_per_chunk_and_reports(encoder):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    StandIn.bodies = []
+    try:
+        texts = [TEXT, "A second chunk of text.\n", "x " * 200, TEXT]
+        report = ingest(texts, url=f"http://127.0.0.1:{server.server_port}", model="m",
+                        tokenizer=encoder.tokenizer, namespace="acme",
+                        doc_ids=["d1", "d2", "d3", "d1"], concurrency=2)
+    finally:
+        server.shutdown()
+    assert len(StandIn.bodies) == 3  # the repeated chunk of d1 is sent once
+    assert report.stored == 2 and report.existing == 0
+    assert report.keys[0] and report.keys[1] and report.keys[2] is None
+    assert report.keys[3] == report.keys[0]
+    assert "HTTP 400" in report.errors[2] and "prompt too long" in report.errors[2]
+    path, body = next(b for b in StandIn.bodies if b[1]["kv_transfer_params"].get(
+        "turborag_doc_id") == "d1")
+    assert path == "/v1/completions" and body["max_tokens"] == 1 and body["model"] == "m"
+    assert body["prompt"] == chunk_prompt(encoder.tokenizer, TEXT)
+    assert body["kv_transfer_params"] == {"turborag_ingest": True, "turborag_namespace": "acme",
+                                          "turborag_doc_id": "d1"}
+
+
+def test_the_client_raises_when_no_server_answers(encoder):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    port = server.server_port
+    server.server_close()
+    with pytest.raises(ConnectionError, match="no server"):
+        ingest([TEXT], url=f"http://127.0.0.1:{port}/v1", model="m", tokenizer=encoder.tokenizer)
+    with pytest.raises(EmptyChunkError):  # before anything is sent
+        ingest([TEXT, ""], url=f"http://127.0.0.1:{port}", model="m", tokenizer=encoder.tokenizer)

@@ -1,0 +1,196 @@
+"""Ingestion on vLLM: chunk blobs made by vLLM's own batched prefill (the connector's save side).
+
+A vLLM started with `TurboRAGConnector` in `kv_role: kv_both` stores the KV of every request
+that asks for it in `kv_transfer_params`:
+
+    {"prompt": ANCHOR_IDS + CHUNK_IDS, "max_tokens": 1,
+     "kv_transfer_params": {"turborag_ingest": true}}
+
+The prompt is the anchor's token ids followed by the chunk's, exactly what `ChunkEncoder`
+prefills for a chunk; the connector drops the anchor's positions and stores the chunk's keys
+and values as the blob `ChunkEncoder` would have made — same fingerprint, encoding,
+base_position and key — so that a corpus is encoded by the serving fleet's engine rather than
+by one HF process. The response's `kv_transfer_params.turborag.ingest` says what became of it.
+
+This module is both ends of that request and imports no vLLM: `chunk_prompt` builds a prompt,
+`plan_ingest` checks one (the connector's scheduler), `ingest` sends chunk texts to a running
+server through its OpenAI completions API.
+
+Only the training-free encodings (encoder none, with or without an anchor) can be made this
+way: a learned encoder's soft tokens and encode-only LoRA are not in the weights vLLM runs, so
+the connector refuses `kv_both` with one configured (docs/vllm.md#ingestion-on-vllm).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..core.errors import TurboRAGError
+from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.prefill.chunk_encoder import chunk_token_ids
+from ..core.store.namespaces import check_namespace
+
+INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chunk to be stored
+NAMESPACE = "turborag_namespace"  # the store namespace (tenant) it goes into; default ""
+DOC_ID = "turborag_doc_id"  # the document it belongs to (KVStore.delete_doc forgets it)
+
+
+class IngestRequestError(TurboRAGError, ValueError):
+    """A request asked for ingestion but cannot be ingested as it is."""
+
+
+@dataclass(frozen=True)
+class IngestPlan:
+    """What the worker stores for one ingestion request."""
+
+    chunk_ids: tuple[int, ...]
+    anchor_len: int  # prompt positions before the chunk, dropped (the blob's base_position)
+    namespace: str = ""
+    doc_id: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.anchor_len + len(self.chunk_ids)
+
+
+def wants_ingest(params) -> bool:
+    return isinstance(params, dict) and bool(params.get(INGEST))
+
+
+def ingest_params(namespace: str = "", doc_id: str | None = None) -> dict:
+    """The `kv_transfer_params` of an ingestion request."""
+    params: dict = {INGEST: True}
+    if namespace:
+        params[NAMESPACE] = namespace
+    if doc_id:
+        params[DOC_ID] = doc_id
+    return params
+
+
+def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], *,
+                max_chunk_tokens: int, salt: str | None = None,
+                salt_prefix: str = "turborag") -> IngestPlan:
+    """Check an ingestion request against the encoding the connector stores (its anchor ids)
+    and say what to store; IngestRequestError says what is wrong."""
+    if salt and salt.startswith(salt_prefix):
+        # its prefix-cache hits could be stitched blocks, which are not a causal prefill
+        raise IngestRequestError(
+            f"an ingestion request must not carry a cache_salt starting with {salt_prefix!r}: "
+            "those requests are served from stitched KV, and a blob must be computed")
+    prompt_ids, anchor = list(prompt_ids), list(anchor)
+    if prompt_ids[:len(anchor)] != anchor:
+        raise IngestRequestError(
+            f"the prompt does not start with the {len(anchor)} token ids of the anchor this "
+            "connector's chunks are encoded after: build it with "
+            "turborag_integrations.vllm.ingest.chunk_prompt (same tokenizer and anchor)")
+    chunk = prompt_ids[len(anchor):]
+    if not chunk:
+        raise IngestRequestError("the prompt holds the anchor only: no chunk tokens to store")
+    if len(chunk) > max_chunk_tokens:
+        raise IngestRequestError(f"a chunk of {len(chunk)} tokens exceeds the {max_chunk_tokens} "
+                                 "the encoder allows after its anchor; split it")
+    namespace = params.get(NAMESPACE) or ""
+    doc_id = params.get(DOC_ID)
+    try:
+        check_namespace(namespace)
+    except (TypeError, ValueError) as exc:
+        raise IngestRequestError(f"{NAMESPACE}: {exc}") from None
+    if doc_id is not None and not isinstance(doc_id, str):
+        raise IngestRequestError(f"{DOC_ID} is a string, not {type(doc_id).__name__}")
+    return IngestPlan(tuple(chunk), len(anchor), namespace, doc_id or None)
+
+
+# ---- the client ---------------------------------------------------------------------------------
+def chunk_prompt(tokenizer, text: str, anchor: str | None = DEFAULT_ANCHOR,
+                 max_chunk_tokens: int | None = None) -> list[int]:
+    """The prompt token ids of an ingestion request for `text`: the anchor's ids, then the
+    chunk's, each tokenized as `ChunkEncoder` does (anchor: as `TurboRAGEngine` and the
+    connector's extra config take it)."""
+    return anchor_ids(anchor, tokenizer) + chunk_token_ids(tokenizer, text, max_chunk_tokens)
+
+
+@dataclass
+class IngestReport:
+    """What `ingest` did, per text and in all."""
+
+    keys: list[str | None]  # each text's blob key (None where it failed)
+    stored: int = 0  # distinct blobs this call had vLLM write
+    existing: int = 0  # distinct blobs that were stored already
+    errors: dict[int, str] = field(default_factory=dict)  # text index -> why it failed
+
+
+def _tokenizer(spec):
+    """A tokenizer as given, or loaded from a bundled model name, a folder or a hub id."""
+    if not isinstance(spec, str):
+        return spec
+    from transformers import AutoTokenizer
+
+    from ..core.models import CATALOG, prepare_bundled
+
+    return AutoTokenizer.from_pretrained(
+        str(prepare_bundled(spec, progress=False)) if spec in CATALOG else spec)
+
+
+def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
+           anchor: str | None = DEFAULT_ANCHOR, namespace: str = "",
+           doc_ids: Sequence[str | None] | None = None, concurrency: int = 8,
+           timeout: float = 600.0, api_key: str | None = None) -> IngestReport:
+    """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
+
+    url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
+    name; tokenizer: a tokenizer, or a bundled model name or folder to load one from (default:
+    `model`); anchor: the connector's (its extra config's "anchor", default "chat"). Each text
+    is one completions request of one new token, `concurrency` at a time: vLLM batches them.
+    A text that cannot be tokenized (empty) raises before anything is sent; a request the server
+    refuses is reported in `errors`; a server that cannot be reached raises ConnectionError.
+    """
+    if doc_ids is not None and len(doc_ids) != len(texts):
+        raise ValueError(f"{len(doc_ids)} doc_ids for {len(texts)} texts")
+    tok = _tokenizer(model if tokenizer is None else tokenizer)
+    head = anchor_ids(anchor, tok)
+    prompts = [head + chunk_token_ids(tok, t) for t in texts]
+    endpoint = url.rstrip("/")
+    endpoint = (endpoint if endpoint.endswith("/v1") else endpoint + "/v1") + "/completions"
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    def send(i: int) -> dict:
+        body = {"model": model, "prompt": prompts[i], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": ingest_params(namespace, doc_ids[i] if doc_ids else None)}
+        request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                reply = json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # the server refused this one: say why
+            return {"error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"}
+        except urllib.error.URLError as exc:
+            raise ConnectionError(f"no server at {endpoint}: {exc.reason}") from None
+        result = ((reply.get("kv_transfer_params") or {}).get("turborag") or {}).get("ingest")
+        if result is None:
+            return {"error": "the server did not ingest it: start vLLM with TurboRAGConnector "
+                             'in "kv_role": "kv_both" (turborag vllm --ingest)'}
+        return result
+
+    # a chunk repeated (for the same document) is sent once, as encode_chunks encodes it once
+    first: dict[tuple, int] = {}
+    for i, ids in enumerate(prompts):
+        first.setdefault((tuple(ids), doc_ids[i] if doc_ids else None), i)
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        sent = dict(zip(first.values(), pool.map(send, first.values())))
+    report = IngestReport(keys=[None] * len(texts))
+    written, held = set(), set()
+    for i, ids in enumerate(prompts):
+        result = sent[first[(tuple(ids), doc_ids[i] if doc_ids else None)]]
+        if result.get("error") or not result.get("stored"):
+            report.errors[i] = result.get("error") or "not stored"
+            continue
+        report.keys[i] = result["key"]
+        (held if result.get("existing") else written).add(result["key"])
+    report.stored, report.existing = len(written), len(held - written)
+    return report
