@@ -37,7 +37,7 @@ GROUPS = {
     "core": [CORE],  # core/__init__
     "llama_index": [f"{PACKAGE}.llama_index"],
     "langchain": [f"{PACKAGE}.langchain"],
-    "workspace": [f"{PACKAGE}.workspace"],
+    "workspace": [f"{PACKAGE}.workspace", f"{PACKAGE}.documents"],
     "evaluation": [f"{PACKAGE}.evaluation"],
     "training": [f"{PACKAGE}.training"],
     "server": [f"{PACKAGE}.server"],
