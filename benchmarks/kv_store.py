@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ttft import make_chunks  # noqa: E402

@@ -4,7 +4,6 @@ tiny-model run of every mode through the evaluation and the `turborag eval` comm
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 from typer.testing import CliRunner

@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 
-from tests.conftest import tiny_model
 from turborag_integrations.core.batching import BatchScheduler, RequestCancelled
 from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder

@@ -9,7 +9,6 @@ from turborag_integrations.core.decode.loop import TextDeltas, now
 from turborag_integrations.core.decode.sampling import warp_logits
 from turborag_integrations.core.run import RunProgress, RunStats
 from turborag_integrations.core.settings import GenerationConfig
-from tests.conftest import tiny_model
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles."]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers import GenerationConfig as HFGenerationConfig
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.kv.cache import KVCache

@@ -10,7 +10,6 @@ from turborag_integrations.core.errors import EncoderMismatch
 from turborag_integrations.core.prefill.anchor import anchor_ids
 from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.prefill.encoding import LearnedEncoding, new_lora
-from turborag_integrations.core.prefill.stitch import Segment
 from turborag_integrations.training.distill import make_example, student_logits
 from tests.conftest import tiny_model
 

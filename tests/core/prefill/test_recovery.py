@@ -9,7 +9,7 @@ from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Comb
                                                  parse_recovery, recompute_tokens,
                                                  value_deviation)
 from turborag_integrations.core.prefill.rope import KeyRotator
-from turborag_integrations.core.prefill.stitch import Segment, plan_prompt, prefill
+from turborag_integrations.core.prefill.stitch import plan_prompt, prefill
 from tests.core.prefill.test_stitch import LAYOUTS, build
 
 
