@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..core.models import load_model
-from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.prefill.anchor import anchor_ids
 from ..core.kv.blob import fingerprint_model
 from ..core.prefill.encoding import LearnedEncoding, new_lora
 from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
@@ -43,20 +43,13 @@ META_FILE = "turborag_encoder.json"
 
 
 @dataclass
-class DistillConfig:
-    model: str | None = None
-    data: str = ""
-    out: str = ""
+class DistillConfig(optim.TrainingRun):
     steps: int = 300
     lr: float = 2e-3
-    warmup: int = 10
     soft_tokens: int = 8
     lora_rank: int = 0
-    anchor: str = DEFAULT_ANCHOR
     ce_weight: float = 0.0  # weight of the reply's cross-entropy beside the KL
-    max_tokens: int = 1536  # longer examples are skipped (CPU memory and step time)
     min_chunks: int = 1
-    seed: int = 0
     save_every: int = 0  # also write the encoder every N steps (a long run can be stopped)
     init: str | None = None  # continue from this encoder file (its soft tokens and LoRA)
 

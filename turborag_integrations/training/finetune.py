@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..core.adapter import save_adapter
-from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.prefill.anchor import anchor_ids
 from ..core.kv.blob import weights_digest
 from ..core.models import load_model
 from ..evaluation.harness import load_items
@@ -42,24 +42,15 @@ META_FILE = "turborag_finetune.json"
 
 
 @dataclass
-class FinetuneConfig:
-    model: str | None = None
-    data: str = ""
-    out: str = ""
-    steps: int = 200
+class FinetuneConfig(optim.TrainingRun):
     batch_size: int = 2
-    lr: float = 5e-5
     weight_decay: float = 0.0
-    warmup: int = 10
     positions: str = "reordered"
     lora: bool = False
     lora_rank: int = 16
     doc_tokens: bool = False
     max_chunks: int | None = None
     freeze_embeddings: bool = True  # tied 28M-parameter table: slow to update, rarely needed
-    seed: int = 0
-    anchor: str = DEFAULT_ANCHOR  # must be the anchor the engine will encode chunks after
-    max_tokens: int = 1536  # longer examples are skipped (CPU memory and step time)
 
 
 def make_example(tok, item, chunks, cfg: FinetuneConfig, anchor: list[int]):

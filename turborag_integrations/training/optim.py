@@ -1,11 +1,30 @@
-"""The optimiser, schedule and step shared by the fine-tune and the encoder distillation."""
+"""What the fine-tune and the encoder distillation share: a run's inputs, the optimiser, the
+schedule and the step."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from ..core.prefill.anchor import DEFAULT_ANCHOR
+
+
+@dataclass
+class TrainingRun:
+    """The settings every training run has; each kind adds its own (and its own defaults)."""
+
+    model: str | None = None  # a bundled model name or a folder; None: the default model
+    data: str = ""  # the training set (JSONL)
+    out: str = ""  # where the trained file goes
+    steps: int = 200
+    lr: float = 5e-5
+    warmup: int = 10
+    seed: int = 0
+    anchor: str = DEFAULT_ANCHOR  # must be the anchor the engine will encode chunks after
+    max_tokens: int = 1536  # longer examples are skipped (CPU memory and step time)
 
 
 def optimizer(params: Sequence[torch.Tensor], lr: float, warmup: int, steps: int,
