@@ -1,5 +1,6 @@
 """Run inside vLLM's venv: the connector built without an engine, for the paths where TurboRAG
-must switch itself off (vLLM then serves every request causally).
+must switch itself off (vLLM then serves every request causally), and for when its scheduler
+needs an HF copy of the model (only to encode a prompt head or separator nobody stored).
 
     .venv-vllm/bin/python tests/vllm/offline.py MODEL_DIR STORE OUT.json
 """
@@ -47,6 +48,41 @@ def request(ids, salt):
     return SimpleNamespace(request_id="r", prompt_token_ids=ids, cache_salt=salt)
 
 
+CHUNKS = [
+    "The Varnholt bridge was completed in 1911 by the engineer Mira Szabo, who chose a steel "
+    "truss because the river floods every spring.\n",
+    "Harbour records show the ferry Aldine sank in 1932 with no loss of life; its bell hangs in "
+    "the town hall today.\n",
+]
+
+
+def prompt_ids(tokenizer, head: str) -> list[int]:
+    """A prompt's ids by the tokenizer alone (the HF engine's segments() would store its head)."""
+    text = head + "".join(CHUNKS) + "Question: When did the Aldine sink?<|im_end|>\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def model_free(model_dir: str, store: str) -> dict:
+    """A scheduler started on a store that holds the separators, and a request whose head and
+    chunks are stored: claimed with no model loaded; a new head loads it."""
+    first = connector(model_dir, store)  # an empty store: the separators need the model
+    out = {"first_loaded_at_start": first._setup.loaded}
+    engine = first._setup.engine
+    engine.encode_chunks(CHUNKS)
+    seen = prompt_ids(engine.tokenizer, "<|im_start|>user\nContext:\n")
+    out["first_claim"] = first.get_num_new_matched_tokens(request(seen, "turborag"), 0)
+    second = connector(model_dir, store)
+    out["second_loaded_at_start"] = second._setup.loaded
+    out["same_fingerprints"] = (second.chunk_fp == engine.fingerprint
+                                and second.prefix_fp == engine.prefix_fingerprint)
+    out["second_claim"] = second.get_num_new_matched_tokens(request(seen, "turborag"), 0)
+    out["second_loaded_after_stored_head"] = second._setup.loaded
+    new_head = prompt_ids(engine.tokenizer, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    out["new_head_claim"] = second.get_num_new_matched_tokens(request(new_head, "turborag"), 0)
+    out["second_loaded_after_new_head"] = second._setup.loaded
+    return out
+
+
 def main(model_dir: str, store: str, out: str) -> None:
     records = Records()
     logging.getLogger("turborag.vllm").addHandler(records)
@@ -69,6 +105,7 @@ def main(model_dir: str, store: str, out: str) -> None:
     bad = connector(model_dir, str(Path("/dev/null") / "store"))
     results["bad_store"] = {"on": bad._enabled,
                             "claim": bad.get_num_new_matched_tokens(request(ids, "turborag"), 0)}
+    results["model_free"] = model_free(model_dir, store + "-model-free")
     results["log"] = records.messages
     Path(out).write_text(json.dumps(results))
 

@@ -175,3 +175,17 @@ def test_blobs_ingested_elsewhere_reach_vllm_through_redis(through_redis):
     assert all(case["chunk_keys_in_redis"])
     assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
     assert case["tokens"] == case["hf_turbo"]
+
+
+def test_the_scheduler_loads_the_model_only_for_what_no_one_stored(offline):
+    case = offline["model_free"]
+    # fingerprints from the checkpoint files equal the HF engine's: stored blobs are found
+    assert case["same_fingerprints"]
+    assert case["first_loaded_at_start"]  # an empty store: the separators were computed
+    assert case["first_claim"][0] > 0
+    # a second scheduler on that store: separators, head and chunks all stored
+    assert not case["second_loaded_at_start"]
+    assert case["second_claim"] == case["first_claim"]
+    assert not case["second_loaded_after_stored_head"]
+    # a head it has not seen: computed (the model loaded then), and claimed
+    assert case["new_head_claim"][0] > 0 and case["second_loaded_after_new_head"]

@@ -39,10 +39,11 @@ scheduler encodes itself when none is stored, default 512), "blob_dtype" (the dt
 were encoded in, when it is not vLLM's: float32 blobs serve a bfloat16 worker, cast as they are
 written).
 
-The scheduler process holds an HF copy of the model (CPU, vLLM's dtype): it computes the blobs'
-fingerprints exactly as the HF engine that ingested them did, and it encodes prompt heads —
-the text before the first chunk, a causal prefill of which is exact — the first time it sees
-one.
+The scheduler reads the blobs' fingerprints from the model's checkpoint folder, exactly as the
+HF engine that ingested them computes them from the loaded model (model_setup.py,
+core/checkpoint.py). It loads an HF copy of the model (CPU) only when it must encode a prompt
+head — the text before the first chunk, a causal prefill of which is exact — or a stock
+separator that nobody stored yet: a store that holds them keeps the model out of the scheduler.
 
 Save side (ingestion, `"kv_role": "kv_both"`): a request whose `kv_transfer_params` holds
 `"turborag_ingest": true` and whose prompt is the anchor's token ids then a chunk's (ingest.py)
@@ -72,7 +73,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..core.prefill.anchor import DEFAULT_ANCHOR
 from ..core.kv.blob import Fingerprint, KVBlob
 from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
@@ -84,6 +84,7 @@ from .heads import rank_heads
 from .ingest import IngestPlan, IngestRequestError, plan_ingest, wants_ingest
 from .layout import BlockLayout, UnreadableCacheLayout, probe_layout
 from .metrics import TurboRAGConnectorStats, TurboRAGPromMetrics
+from .model_setup import ModelSetup
 
 log = logging.getLogger("turborag.vllm")
 
@@ -129,9 +130,9 @@ class Ingestion:
 
 @dataclass
 class Space:
-    """The scheduler's view of one store namespace: its engine view and its span index."""
+    """The scheduler's view of one store namespace: its store and its span index."""
 
-    engine: Any
+    store: Any
     index: TokenSpanIndex
     refreshed: float = 0.0
 
@@ -180,18 +181,6 @@ def _check_save_support(vllm_config, extra: dict) -> None:
                          f"{extra['blob_dtype']} to ingest")
 
 
-def _head_engine(model_path: str, dtype: torch.dtype, extra: dict, store: KVStore):
-    """An HF engine of the model vLLM serves, in the scheduler process: it gives the chunk and
-    prompt-head fingerprints as `TurboRAGEngine` computes them (same weights, tokenizer, dtype,
-    anchor and encoder), so that blobs ingested with it are found, and it encodes the prompt
-    heads no one stored yet (a head is plain text: its blob is a causal prefill of it alone)."""
-    from ..core.engine import TurboRAGEngine
-
-    return TurboRAGEngine(model_path, dtype=str(dtype).replace("torch.", ""), store=store,
-                          encoder=extra.get("encoder", "default"),
-                          anchor=extra.get("anchor", DEFAULT_ANCHOR), progress=False)
-
-
 class TurboRAGConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -223,6 +212,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             except Exception as exc:  # an unwritable folder, a refused connection
                 self._off(f"the store {extra['store']!r} cannot be opened: {exc}")
         self.chunk_fp = self.prefix_fp = None
+        self._setup: ModelSetup | None = None
         self._public = bool(extra.get("public", True))
         self._off_reason = ""
         # kv_both (or kv_producer): ingestion requests are saved as blobs
@@ -240,10 +230,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._ingestions: dict[str, Ingestion] = {}
             if self._enabled:
                 self._start_scheduler(model_config, extra)
-            if self._ingests and self._enabled and self._engine.learned is not None:
+            if self._ingests and self._enabled and self._setup.learned is not None:
                 raise ValueError(
                     f"TurboRAGConnector: kv_role {cfg.kv_role!r} saves chunk blobs, but the "
-                    f"configured encoder is the learned one ({self._engine.learned.name}): its "
+                    f"configured encoder is the learned one ({self._setup.learned.name}): its "
                     "soft tokens and encode-only LoRA are not in the weights vLLM runs, so "
                     "vLLM's prefill cannot make its blobs. Set \"encoder\": \"none\" in "
                     "kv_connector_extra_config (training-free blobs, with or without an "
@@ -268,9 +258,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
             # blobs are made once, in one dtype (float32 on a CPU at ingestion), and may
             # serve a worker of another: the worker casts them to its cache's dtype
             blob_dtype = extra.get("blob_dtype") or model_config.dtype
-            self._engine = _head_engine(model_config.model, blob_dtype, extra, self._store)
-            self.chunk_fp = self._engine.fingerprint
-            self.prefix_fp = self._engine.prefix_fingerprint
+            self._setup = ModelSetup(model_config.model, blob_dtype, extra, self._store)
+            self.chunk_fp = self._setup.chunk_fp
+            self.prefix_fp = self._setup.prefix_fp
             self._space("")
         except Exception as exc:  # a model the HF engine cannot load, a store that fails
             self._off(f"the model's blobs cannot be indexed: {type(exc).__name__}: {exc}")
@@ -282,10 +272,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
         namespace: they are the same constants for everyone and hold nobody's data."""
         space = self._spaces.get(namespace)
         if space is None:
-            engine = self._engine.namespaced(namespace)
             if not namespace:
-                engine.encode_separators()
-            space = self._spaces[namespace] = Space(engine, TokenSpanIndex(self._min_tokens))
+                self._store_separators()
+            space = self._spaces[namespace] = Space(self._store.namespace(namespace),
+                                                    TokenSpanIndex(self._min_tokens))
             self._refresh(space, force=True)
             while len(self._spaces) > MAX_SPACES:
                 oldest = next(n for n in self._spaces if n)  # the default one stays
@@ -293,6 +283,14 @@ class TurboRAGConnector(KVConnectorBase_V1):
         else:
             self._spaces.move_to_end(namespace)
         return space
+
+    def _store_separators(self) -> None:
+        """Have the stock separators' blobs in the default namespace (the claim crosses them from
+        one chunk to the next); the HF model computes them only if one is missing."""
+        store = self._store.namespace("")
+        if not all(store.contains(store.key(self.chunk_fp, ids))
+                   for ids in self._setup.separator_ids()):
+            self._setup.engine.encode_separators()
 
     # ---- scheduler side ---------------------------------------------------------------------
     def _refresh(self, space: Space, force: bool = False) -> None:
@@ -303,7 +301,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             return
         space.refreshed = now
         wanted = {self.chunk_fp.id: False, self.prefix_fp.id: True}
-        store = space.engine.store
+        store = space.store
         new = []
         try:
             keys = store.keys()
@@ -331,14 +329,14 @@ class TurboRAGConnector(KVConnectorBase_V1):
         enough: heads are few (one per template and system prompt), so each is computed once,
         on first sight."""
         ids = list(ids)
-        store = space.engine.store
+        store = space.store
         key = store.key(self.prefix_fp, ids)
         if store.contains(key):
             return key
         if len(ids) > self._max_head:
             return None
         try:
-            [blob] = self._engine.prefix_encoder.encode_ids([ids])
+            [blob] = self._setup.engine.prefix_encoder.encode_ids([ids])
             store.put(blob, kind="prefix")
         except Exception as exc:  # a full disk costs the reuse, never the request
             log.warning("TurboRAG: prompt head of %d tokens not stored: %s", len(ids), exc)
@@ -356,13 +354,13 @@ class TurboRAGConnector(KVConnectorBase_V1):
         unknown = 0
         for text in texts:
             try:
-                ids = self._engine.encoder.tokenize(text) if isinstance(text, str) else None
+                ids = self._setup.tokenize_chunk(text) if isinstance(text, str) else None
             except Exception:  # empty, or longer than the window
                 ids = None
             found = None
             for space in spaces if ids else ():
-                key = space.engine.store.key(self.chunk_fp, ids)
-                if space.engine.store.contains(key):
+                key = space.store.key(self.chunk_fp, ids)
+                if space.store.contains(key):
                     found = space, key
                     break
             if found is None:
@@ -374,7 +372,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         return {"named_chunks": len(texts), "unknown_chunks": unknown}
 
     def _separator_key(self, ids) -> str | None:
-        store = self._engine.store  # the default namespace's, where they are stored
+        store = self._store.namespace("")  # where they are stored
         key = store.key(self.chunk_fp, list(ids))
         return key if store.contains(key) else None
 
@@ -407,7 +405,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             for match in space.index.find(ids):
                 if match.entry.plain and space is not own:
                     continue  # a head computed for requests of another namespace: never shared
-                if space.engine.store.contains(match.entry.key):
+                if space.store.contains(match.entry.key):
                     matches.append(match)
                 else:
                     space.index.discard(match.entry.key)
@@ -428,10 +426,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
                                    '"kv_role": "kv_both"')
         if not self._enabled:
             return Ingestion(error=f"TurboRAG is off in this vLLM: {self._off_reason}")
-        encoder = self._engine.encoder
         try:
-            plan = plan_ingest(params, request.prompt_token_ids or [], encoder.anchor_ids,
-                               max_chunk_tokens=encoder.max_chunk_tokens,
+            plan = plan_ingest(params, request.prompt_token_ids or [], self._setup.anchor_ids,
+                               max_chunk_tokens=self._setup.max_chunk_tokens,
                                salt=request.cache_salt, salt_prefix=self._salt_prefix)
         except IngestRequestError as exc:
             return Ingestion(error=str(exc))

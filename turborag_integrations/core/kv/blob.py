@@ -117,14 +117,20 @@ def weights_digest(model) -> str:
 
 
 def fingerprint_model(model, tokenizer, name: str) -> Fingerprint:
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    dtype = next(model.parameters()).dtype
+    return fingerprint_parts(model.config, tokenizer, weights_digest(model), dtype, name)
+
+
+def fingerprint_parts(config, tokenizer, weights: str, dtype, name: str) -> Fingerprint:
+    """A fingerprint from its parts: an HF config, a tokenizer, a weights digest and the dtype
+    (core/checkpoint.py builds the same one from a checkpoint folder, with no model)."""
+    config = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     config_hash = _digest(json.dumps(config, sort_keys=True, default=str))
     vocab = sorted(tokenizer.get_vocab().items())
     specials = sorted(map(str, getattr(tokenizer, "all_special_tokens", [])))
     tok_hash = _digest(json.dumps([type(tokenizer).__name__, vocab, specials]))
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return Fingerprint(model=name, config=config_hash, weights=weights_digest(model),
-                       tokenizer=tok_hash, dtype=dtype)
+    return Fingerprint(model=name, config=config_hash, weights=weights, tokenizer=tok_hash,
+                       dtype=str(dtype).replace("torch.", ""))
 
 
 def namespace_tag(namespace: str) -> str:

@@ -18,7 +18,7 @@ from ..errors import EmptyChunkError
 from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
 from ..transformers_api import output_cache
 
-__all__ = ["ChunkEncoder", "anchor_encoding", "chunk_token_ids", "ProgressFn"]
+__all__ = ["ChunkEncoder", "anchor_encoding", "chunk_encoding", "chunk_token_ids", "ProgressFn"]
 
 ProgressFn = Callable[[int, int], None]  # (done, total)
 
@@ -29,6 +29,13 @@ def anchor_encoding(anchor_ids: Sequence[int]) -> str:
         return PLAIN
     ids = torch.as_tensor(list(anchor_ids), dtype=torch.int64).numpy().tobytes()
     return f"anchor:{len(anchor_ids)}:{_digest(ids, size=8)}"
+
+
+def chunk_encoding(anchor_ids: Sequence[int], learned=None) -> str:
+    """The fingerprint encoding of chunk blobs made after `anchor_ids` with the learned
+    parameters `learned` (a prefill.encoding.LearnedEncoding, or None: training-free)."""
+    encoding = anchor_encoding(anchor_ids)
+    return f"{encoding}+{learned.tag}" if learned is not None else encoding
 
 
 def chunk_token_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
@@ -65,10 +72,7 @@ class ChunkEncoder:
         # learned: a prefill.encoding.LearnedEncoding (soft tokens after the anchor, an
         # encode-only LoRA), or None for the training-free encoding
         self.learned = learned
-        encoding = anchor_encoding(self.anchor_ids)
-        if learned is not None:
-            encoding = f"{encoding}+{learned.tag}"
-        self.fingerprint = fingerprint.with_encoding(encoding)
+        self.fingerprint = fingerprint.with_encoding(chunk_encoding(self.anchor_ids, learned))
         self.batch_size = batch_size
         self.max_chunk_tokens = (max_chunk_tokens or int(model.config.max_position_embeddings)) \
             - self.base_position
