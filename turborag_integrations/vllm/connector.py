@@ -312,14 +312,15 @@ class TurboRAGConnector(KVConnectorBase_V1):
             if key in space.index:
                 continue
             try:
-                blob = store.get(key)
-            except Exception as exc:  # a corrupt or foreign file is a miss, never a failure
+                # the header and token ids only: the first look at a store of a million chunks
+                # must not read a million blobs (the worker verifies each one it loads)
+                found = store.peek(key)
+            except Exception as exc:  # an unreachable tier is a miss, never a failure
                 log.debug("blob %s skipped: %s", key[:12], exc)
                 continue
-            if blob is None or blob.fingerprint.id not in wanted:
+            if found is None or found.fingerprint.id not in wanted:
                 continue
-            new.append(SpanEntry(key, tuple(blob.token_ids.tolist()),
-                                 plain=wanted[blob.fingerprint.id]))
+            new.append(SpanEntry(key, found.token_ids, plain=wanted[found.fingerprint.id]))
         if new:
             space.index.add(new)
             log.info("TurboRAG: %d blobs indexed (%d new)", len(space.index), len(new))

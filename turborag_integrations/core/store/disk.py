@@ -317,6 +317,22 @@ class DiskTier(Tier):
             return format.metadata(header)
         return None
 
+    def peek(self, key: str) -> format.BlobSummary | None:
+        """What key's blob is of (fingerprint, token ids), read from its header and its token
+        ids only, unverified (format.summary); None when absent. Not a use of the blob."""
+        for kind in KINDS:
+            path = self.path(key, kind)
+            try:
+                with open(path, "rb") as f:
+                    def read(offset: int, length: int) -> bytes:
+                        f.seek(offset)
+                        return f.read(length)
+
+                    return format.summary(read)
+            except FileNotFoundError:
+                continue
+        return None
+
     def delete(self, key: str) -> bool:
         self._verified.pop(key, None)
         return any([self._unlink(key, kind) for kind in KINDS])  # a list: try both

@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import xxhash
@@ -165,3 +167,37 @@ def fingerprint_of(meta: dict) -> Fingerprint:
         return Fingerprint.from_json(meta["fingerprint"])
     except (KeyError, TypeError, ValueError) as exc:
         raise BlobCorrupted(f"unreadable fingerprint: {exc}") from None
+
+
+@dataclass(frozen=True)
+class BlobSummary:
+    """What a blob is of, without its keys and values: its fingerprint and token ids."""
+
+    fingerprint: Fingerprint
+    token_ids: tuple[int, ...]
+
+
+def summary(read: Callable[[int, int], bytes]) -> BlobSummary:
+    """A stored blob's fingerprint and token ids from three small reads of its file (`read(offset,
+    length)`): the header's length, the header, the token ids. Nothing is verified — the
+    checksum covers the whole file, which is the point not to read — so the caller checks the
+    ids against the blob's content address (`chunk_key`), which they must reproduce."""
+    head = read(0, 8)
+    if len(head) < 8:
+        raise BlobCorrupted("file too short to be a blob")
+    (n,) = struct.unpack("<Q", head)
+    header, _ = header_and_data(head + read(8, n))
+    meta = metadata(header)
+    if meta.get("magic") != MAGIC:
+        raise BlobCorrupted("not a turborag KV blob (no magic in the header)")
+    try:
+        info = header["token_ids"]
+        begin, end = (int(x) for x in info["data_offsets"])
+        dtype = _DTYPES[info["dtype"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BlobCorrupted(f"no token ids in the header: {exc}") from None
+    raw = read(8 + n + begin, end - begin)
+    if len(raw) != end - begin or (end - begin) % dtype.itemsize or dtype.is_floating_point:
+        raise BlobCorrupted("the token ids are truncated or not integers")
+    ids = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    return BlobSummary(fingerprint_of(meta), tuple(int(i) for i in ids.tolist()))

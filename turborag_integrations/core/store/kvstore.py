@@ -18,6 +18,7 @@ from ..kv.blob import Fingerprint, KVBlob, chunk_key, namespace_tag
 from ..errors import BlobCorrupted, TurboRAGError
 from .budget import parse_size
 from .disk import KINDS, DiskTier
+from .format import BlobSummary
 from .memory import MemoryTier
 from .stats import NAMED_TIERS, StoreStats
 from .namespaces import check_namespace, disk_partition, key_in_namespace, namespace_root
@@ -235,6 +236,30 @@ class KVStore:
         for tier in faster:
             self._promote(tier, key, blob)
         return blob
+
+    def peek(self, key: str) -> BlobSummary | None:
+        """The fingerprint and token ids of key's blob, without its keys and values where a tier
+        can (the disk tier's header and ids), for an index over a large store (vLLM's
+        connector). Trusted only if they reproduce the key (their content address); None on a
+        miss. Not a use of the blob; no tier is filled."""
+        if not self.owns(key):
+            return None
+        for tier in self._open_tiers():
+            try:
+                peek = getattr(tier, "peek", None)
+                if peek is not None:
+                    found = peek(key)
+                else:
+                    blob = tier.get(key)
+                    found = (None if blob is None else
+                             BlobSummary(blob.fingerprint, tuple(blob.token_ids.tolist())))
+            except BlobCorrupted as exc:
+                log.debug("blob %s unreadable in the %s tier: %s", key[:12], tier.name, exc)
+                continue
+            if found is not None:
+                if self.key(found.fingerprint, found.token_ids) == key:
+                    return found
+        return None
 
     def _find(self, tiers: tuple[Tier, ...], key: str) -> tuple[int, KVBlob] | None:
         """The first tier (by index) that holds a sound entry for key, with that entry."""

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..kv.blob import KVBlob
+from .format import BlobSummary
 from .tier import Tier
 
 
@@ -92,6 +93,13 @@ class MemoryTier(Tier):
 
     def contains(self, key: str) -> bool:
         return key in self._items  # not a use: leaves the frequency counts alone
+
+    def peek(self, key: str) -> BlobSummary | None:
+        """What key's blob is of; not a use either."""
+        blob = self._items.get(key)
+        if blob is None:
+            return None
+        return BlobSummary(blob.fingerprint, tuple(blob.token_ids.tolist()))
 
     def clear(self) -> None:
         with self._lock:

@@ -26,6 +26,9 @@ What each method promises:
   reports hits served by faster tiers to it (`note_read`); other tiers get `put(key, blob)`.
 - `delete(key) -> bool`: remove the entry; True when there was one.
 - `keys() -> list[str]`: the keys held now, in no particular order.
+- `peek(key) -> BlobSummary | None`, optional: what the blob is of (fingerprint, token ids),
+  read without its keys and values and unverified, and not a use of the entry; None when absent;
+  BlobCorrupted when even that cannot be read. KVStore reads a tier without it whole.
 - `close() -> None`: release what the tier holds (memory, connections, files). Calling it twice
   is harmless; no other method is called after it.
 
