@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from turborag_integrations.core.batching import BatchScheduler, RequestCancelled
+from turborag_integrations.core.batch_worker import BatchWorker
 from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.engine import TurboRAGEngine
@@ -210,7 +211,7 @@ def test_a_closed_stream_leaves_the_batch_and_frees_its_row(engine, monkeypatch)
 
     with BatchScheduler(engine) as scheduler:
         results = run_together(scheduler, jobs, consume=close_early)
-        assert scheduler._arena.in_use == 0
+        assert scheduler._worker.arena.in_use == 0
     assert len(closed["left"]) == 1
     cancelled = results[1]
     assert cancelled.stats.finish_reason == "cancelled"
@@ -509,7 +510,7 @@ def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine
         assert running.last.finish_reason == "cancelled" and running.last.error is None
         tokens = running.token_ids
         assert 1 <= len(tokens) < 200 and tokens == alone[:len(tokens)]
-        assert scheduler.in_flight == 0 and scheduler._arena.in_use == 0  # its row is free
+        assert scheduler.in_flight == 0 and scheduler._worker.arena.in_use == 0  # its row is free
         assert not scheduler.abort("running") and not scheduler.abort("never added")
 
         # the place is free: the next request runs at once, under an id used before
@@ -567,7 +568,7 @@ def test_a_worker_that_dies_ends_every_request_it_holds(engine, monkeypatch):
     def dies(self, request):
         raise SystemExit("a bug that escapes the round")
 
-    monkeypatch.setattr(BatchScheduler, "_admit", dies)
+    monkeypatch.setattr(BatchWorker, "_admit", dies)
     outputs = Outputs()
     scheduler = BatchScheduler(engine)
     scheduler.add_request("a", prompt(0), chunks=CHUNKS, on_output=outputs)
@@ -689,6 +690,6 @@ def test_the_scheduler_decodes_its_batch_in_one_arena(engine, monkeypatch):
     with BatchScheduler(engine, max_batch=4) as scheduler:
         hold_first_prefill(engine, monkeypatch, scheduler, others=3)
         results = run_together(scheduler, jobs)
-        assert scheduler._arena.in_use == 0
+        assert scheduler._worker.arena.in_use == 0
     assert [r.token_ids for r in results] == [s.token_ids for s in solo]
     assert spans and max(spans) == 4

@@ -26,7 +26,7 @@ with its new token ids, and a last one, `finished`, once the worker holds nothin
 return at once: hand the output to another thread or an event loop (server/outputs.py does).
 `submit` is built on these: its stream reads a queue of outputs and turns the ids into text.
 
-The worker repeats:
+The worker repeats (the rounds themselves are core/batch_worker.py's `BatchWorker`):
 0. calls: run the functions given to `call(fn)` (other work on the model, such as encoding
    chunks or a warm-up, which belongs on this thread too; see the last paragraph), each with a
    `concurrent.futures.Future` of its result. While one runs, every request in flight waits, so
@@ -69,31 +69,23 @@ benchmarks/batching.py), and run the rest of the work on the model through `call
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-import torch
-
-from .decode.batch import BatchedDecoder
-from .decode.loop import decode_loop, now
-from .decode.sampling import Sampler
+from .batch_worker import BatchWorker
+from .decode.loop import now
 from .engine import TurboRAGEngine
-from .kv.arena import BatchArena
 from .prefill.stitch import Segment
 from .request import Request
 from .run import GenerationStream, Run
-from .scheduled import WITHDRAWN, OutputQueue, RequestCancelled, RequestOutput, Scheduled
+from .scheduled import OutputQueue, RequestCancelled, RequestOutput, Scheduled
 from .settings import GenerationConfig
 
 __all__ = ["BatchScheduler", "RequestCancelled", "RequestOutput", "on_own_thread"]
 
 STOPPED = "the batch scheduler's worker stopped"
-
-log = logging.getLogger(__name__)
-
 
 class BatchScheduler:
     """Decodes the generations submitted to it together, on one worker thread that owns
@@ -112,14 +104,7 @@ class BatchScheduler:
         self._requests: dict[str, Scheduled] = {}  # by id, until their last output (the lock's)
         self._stream_ids = itertools.count()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._active: list[Scheduled] = []  # worker thread only
-        self.steps = 0  # batched decode steps run so far
-        self.rows = 0  # the sum of their batch sizes (rows / steps: the mean batch size)
-        # The model's batched decoder, looked up at each admission (the lookup checks that the
-        # fast path still supports the model, ≈2 ms for SmolLM2: too much for every step).
-        self._decoder: BatchedDecoder | None = None
-        # The batched requests' caches, rows of one storage (made at the first admission).
-        self._arena: BatchArena | None = None
+        self._worker = BatchWorker(engine, max_batch, self._forget)  # worker thread only
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -187,7 +172,17 @@ class BatchScheduler:
     def in_flight(self) -> int:
         """Requests being decoded now (a snapshot). A request whose stream has ended is not
         counted, though the worker drops it from its list only at the end of the round."""
-        return sum(not r.finished for r in self._active)
+        return sum(not r.finished for r in self._worker.active)
+
+    @property
+    def steps(self) -> int:
+        """Batched decode steps run so far."""
+        return self._worker.steps
+
+    @property
+    def rows(self) -> int:
+        """The sum of their batch sizes (rows / steps: the mean batch size)."""
+        return self._worker.rows
 
     @property
     def waiting(self) -> int:
@@ -258,25 +253,20 @@ class BatchScheduler:
                 self._waiting.clear()
                 self._calls.clear()
             for request in left:
-                self._retire(request, "error", RuntimeError(STOPPED))
+                self._worker.retire(request, "error", RuntimeError(STOPPED))
             for _, future in calls:
                 if future.set_running_or_notify_cancel():
                     future.set_exception(RuntimeError(STOPPED))
 
     def _rounds(self) -> None:
-        # The batched decoder's one-time work (timing the products, packing the weights: ≈1 s
-        # for SmolLM2) before the first request rather than in its prefill's place.
-        try:
-            with torch.inference_mode():
-                BatchedDecoder.for_model(self.engine.model, rows=self.max_batch)
-        except Exception:  # the first admission tries again and fails that request, if any
-            log.exception("could not prepare the batched decoder")
+        self._worker.prepare()
         while True:
             with self._cond:
-                while (not self._waiting and not self._active and not self._calls
+                while (not self._waiting and not self._worker.active and not self._calls
                        and not self._closed):
                     self._cond.wait()
-                if self._closed and not self._waiting and not self._active and not self._calls:
+                if (self._closed and not self._waiting and not self._worker.active
+                        and not self._calls):
                     return
                 calls = list(self._calls)
                 self._calls.clear()
@@ -284,7 +274,7 @@ class BatchScheduler:
                 if withdrawn:
                     self._waiting = deque(r for r in self._waiting if not r.dropped())
                 admit = []
-                while self._waiting and len(self._active) + len(admit) < self.max_batch:
+                while self._waiting and len(self._worker.active) + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
@@ -292,154 +282,11 @@ class BatchScheduler:
                         future.set_result(fn())
                     except BaseException as exc:  # the caller's; the worker keeps serving
                         future.set_exception(exc)
-            for request in withdrawn:
-                self._retire(request, "cancelled", RequestCancelled(WITHDRAWN))
-            try:
-                for request in admit:
-                    self._admit(request)
-                self._active = [r for r in self._active if not self._retire_if_dropped(r)]
-                self._step()
-            except Exception as exc:  # a batched step (or a bug): fail what is in flight
-                log.exception("batch scheduler round failed")
-                for request in self._active + admit:
-                    self._retire(request, "error", exc)  # once each: retired ones are skipped
-                self._active = []
+            self._worker.round(withdrawn, admit)
 
-    def _admit(self, request: Scheduled) -> None:
-        """Prefill `request` and hand over its first token; it joins the batch unless that
-        token was its last. A failing prefill fails this request only."""
-        engine, config = self.engine, request.config
-        if request.dropped():  # withdrawn during this round's calls
-            self._retire(request, "cancelled", RequestCancelled(WITHDRAWN))
-            return
-        try:
-            t0 = now()
-            prepared = request.engine.start(request.request, stats=request.stats)
-        except Exception as exc:
-            self._retire(request, "error", exc)
-            return
-        request.stats.extra["queue_s"] = t0 - request.submitted
-        pre = prepared.prefill
-        request.cache, request.limit = pre.cache, prepared.limit
-        request.position = prepared.position
-        decoder = None
-        if config.draft is None and config.quantize is None:
-            decoder = BatchedDecoder.for_model(engine.model, rows=self.max_batch)
-        if decoder is not None:
-            self._decoder = decoder
-            request.sampler = Sampler(config)
-            self._join_arena(request)
-        else:
-            request.solo = decode_loop(engine.model, pre.cache, pre.logits, request.position,
-                                       config, config.end_ids(engine.eos_ids),
-                                       max_new_tokens=request.limit,
-                                       draft_stats=request.draft_stats)
-        if self._advance(request, pre.logits):
-            self._active.append(request)
-
-    def _join_arena(self, request: Scheduled) -> None:
-        """Move a batched request's cache into the arena (one copy), so that the batched step
-        attends over all rows at once, and give the prefill's cache back to the pool."""
-        cache = request.cache
-        if self._arena is None:
-            self._arena = BatchArena.for_model(self.engine.model, self.max_batch,
-                                               capacity=cache.length + request.limit + 1)
-        if not self._arena.fits(cache):  # another dtype or device: it decodes on its own cache
-            return
-        request.cache = self._arena.join(cache, room=request.limit + 1)
-        self.engine.cache_pool.release(cache)
-
-    def _advance(self, request: Scheduled, logits: torch.Tensor | None) -> bool:
-        """Hand over `request`'s next token (drawn from `logits`, or from its own decode loop);
-        retire it and return False when it has no more."""
-        try:
-            if request.dropped():
-                self._retire(request, "cancelled")
-                return False
-            if request.batched:
-                token = request.sampler(logits) if request.count < request.limit else None
-                if token in request.config.end_ids(self.engine.eos_ids):
-                    token = None
-            else:
-                token = next(request.solo, None)
-            if token is None:
-                self._retire(request, "length" if request.count >= request.limit else "stop")
-                return False
-            request.count += 1
-            request.token = token
-            if request.batched and request.count == request.limit:
-                self._retire(request, "length", tokens=[token])  # its last: no step for it
-                return False
-            self._emit(request, RequestOutput(request.id, [token], stats=request.stats))
-            return True
-        except Exception as exc:
-            self._retire(request, "error", exc)
-            return False
-
-    def _step(self) -> None:
-        """One round: a batched step for the batched requests, one token from every other."""
-        batch = [r for r in self._active if r.batched]
-        if self._arena is not None:  # in row order, as the step computes them
-            batch.sort(key=lambda r: self._row(r))
-        keep = []
-        if batch:
-            with torch.inference_mode():
-                logits = self._decoder.step([r.token for r in batch], [r.position for r in batch],
-                                      [r.cache for r in batch])
-            self.steps += 1
-            self.rows += len(batch)
-            for i, request in enumerate(batch):
-                request.position += 1
-                request.steps += 1
-                request.batch_sizes += len(batch)
-                if self._advance(request, logits[i]):
-                    keep.append(request)
-        for request in self._active:
-            if not request.batched and self._advance(request, None):
-                keep.append(request)
-        self._active = keep
-
-    def _row(self, request: Scheduled) -> int:
-        arena = self._arena
-        return arena.row_of(request.cache) if arena is not None and arena.holds(request.cache) \
-            else -1
-
-    def _retire_if_dropped(self, request: Scheduled) -> bool:
-        if request.dropped():
-            self._retire(request, "cancelled")
-            return True
-        return False
-
-    def _retire(self, request: Scheduled, reason: str, error: BaseException | None = None,
-                tokens: Sequence[int] = ()) -> None:
-        """Give the request's cache back, then send its last output (with its last `tokens`)."""
-        if request.finished:
-            return
-        if request.solo is not None:
-            request.solo.close()
-        if request.cache is not None:
-            if self._arena is not None and self._row(request) >= 0:
-                self._arena.leave(request.cache)
-            else:
-                self.engine.cache_pool.release(request.cache)
-            request.cache = None
-        if request.steps:
-            request.stats.extra["mean_batch_size"] = request.batch_sizes / request.steps
-        if request.draft_stats is not None:
-            request.stats.extra.update(request.draft_stats.as_dict())
-        request.finished = True
+    def _forget(self, request: Scheduled) -> None:
         with self._cond:
             self._requests.pop(request.id, None)
-        self._emit(request, RequestOutput(request.id, list(tokens), finished=True,
-                                          finish_reason=reason, error=error,
-                                          stats=request.stats))
-
-    def _emit(self, request: Scheduled, output: RequestOutput) -> None:
-        try:
-            request.on_output(output)
-        except Exception:  # the consumer's bug: it loses this request, the batch goes on
-            log.exception("the output callback of request %r failed; aborting it", request.id)
-            request.aborted = True
 
 
 T = TypeVar("T")
