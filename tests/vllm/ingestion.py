@@ -52,7 +52,7 @@ def main(model_dir: str, out_path: str) -> None:
 
     results: dict = {}
     # refused at startup, as vLLM builds the scheduler's connector: the bundled model's learned
-    # encoder (what "encoder" defaults to), and two tensor-parallel ranks
+    # encoder (what "encoder" defaults to), and two tensor-parallel ranks over 3 KV heads
     for name, kwargs in (("learned", {}), ("tensor_parallel", {"tensor_parallel": 2,
                                                                 "encoder": "none"})):
         try:

@@ -6,7 +6,9 @@ The bundled SmolLM2 has 3 KV heads, which 2 ranks cannot split, so this builds a
 random-weight llama with 4 KV heads (SmolLM2's tokenizer, float32, saved as a folder), ingests
 chunks with the HF engine (every KV head in each blob), and answers the same stitched prompt
 with vLLM at tensor_parallel_size 2: each rank writes its own two heads of every blob
-(vllm/heads.py). Writes one JSON object; tests/vllm/test_vllm_tensor_parallel.py asserts on it.
+(vllm/heads.py). The same vLLM (kv_both) then ingests the chunks into a tenant's namespace:
+each rank reads its two heads, and rank 0 stores them gathered; the blobs are compared with
+ChunkEncoder's. Writes one JSON object; tests/vllm/test_vllm_tensor_parallel.py asserts on it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,6 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
                                 "input_ids"] == plan.token_ids,
                             "kv_heads": int(engine.store.get(engine.chunk_key(CHUNKS[0]))
                                             .keys.shape[1])}}
-    del engine
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -90,7 +91,7 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
     ktc = KVTransferConfig(
         kv_connector="TurboRAGConnector",
         kv_connector_module_path="turborag_integrations.vllm.connector",
-        kv_role="kv_consumer", kv_load_failure_policy="recompute",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"store": str(store), "encoder": "none", "refresh_s": 0})
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, kv_transfer_config=ktc,
               tensor_parallel_size=2, max_model_len=1024, seed=0)
@@ -106,6 +107,34 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
     results["vllm_stitched"] = run("turborag")
     results["vllm_plain"] = run()
     results["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    # ingestion through the two ranks, into namespace "acme" (the default one holds these
+    # chunks already, from ChunkEncoder)
+    from turborag_integrations.core.store import KVStore
+    from turborag_integrations.vllm.ingest import chunk_prompt, ingest_params
+
+    params = [SamplingParams(temperature=0, max_tokens=1, extra_args={
+        "kv_transfer_params": ingest_params("acme")}) for _ in CHUNKS]
+    outs = llm.generate([{"prompt_token_ids": chunk_prompt(engine.tokenizer, t)} for t in CHUNKS],
+                        params, use_tqdm=False)
+    results["ingested"] = [((o.kv_transfer_params or {}).get("turborag") or {}).get("ingest", {})
+                           for o in outs]
+    made = KVStore(str(store), remote_url="", memory_bytes=0).namespace("acme")
+    compare = []
+    for text in CHUNKS:
+        theirs = engine.store.get(engine.chunk_key(text), engine.fingerprint)
+        ours = made.get(engine.namespaced("acme").chunk_key(text), engine.fingerprint)
+        compare.append({"found": ours is not None,
+                        "shape": ours is not None and ours.keys.shape == theirs.keys.shape,
+                        "keys_max_abs": None if ours is None else
+                        float((ours.keys - theirs.keys).abs().max()),
+                        "values_max_abs": None if ours is None else
+                        float((ours.values - theirs.values).abs().max()),
+                        "keys_scale": float(theirs.keys.abs().max()),
+                        "values_scale": float(theirs.values.abs().max()),
+                        "heads_swapped_max_abs": None if ours is None else float(
+                            (ours.keys[:, [2, 3, 0, 1]] - theirs.keys).abs().max())})
+    results["compare"] = compare
     Path(out_path).write_text(json.dumps(results))
 
 

@@ -88,6 +88,8 @@ def test_kv_both_with_the_learned_encoder_refuses_at_startup(ingested):
     assert message and "learned" in message and '"encoder": "none"' in message
 
 
-def test_kv_both_refuses_tensor_parallel_ranks(ingested):
+def test_kv_both_refuses_ranks_that_do_not_split_the_kv_heads(ingested):
+    # SmolLM2's 3 KV heads over 2 ranks (2 ranks over 4 heads ingest: test_vllm_tensor_parallel)
     message = ingested["tensor_parallel_refused"]
-    assert message and "one rank only" in message and "tensor_parallel_size 2" in message
+    assert message and "tensor_parallel_size 2 over 3 KV heads" in message
+    assert "divides the KV heads" in message

@@ -1,8 +1,8 @@
 """The connector under tensor parallelism, in a real vLLM on CPU (2 ranks, one core each).
 
-tensor_parallel.py runs once in vLLM's venv with a small random-weight llama of 4 KV heads (the
-bundled SmolLM2's 3 cannot split over 2 ranks); these tests read what it measured. Without
-that venv they skip, unless TURBORAG_REQUIRE_VLLM=1.
+tensor_parallel.py runs once in vLLM's venv (kv_both: loading and ingestion) with a small
+random-weight llama of 4 KV heads (the bundled SmolLM2's 3 cannot split over 2 ranks); these
+tests read what it measured. Without that venv they skip, unless TURBORAG_REQUIRE_VLLM=1.
 """
 
 from __future__ import annotations
@@ -48,3 +48,13 @@ def test_two_ranks_each_write_their_heads_and_answer_as_the_hf_engine(measured):
 def test_a_plain_request_on_two_ranks_gets_the_causal_answer(measured):
     assert measured["vllm_plain"]["params"] is None  # nothing claimed without the salt
     assert measured["vllm_plain"]["tokens"] == measured["hf"]["naive"]
+
+
+def test_two_ranks_ingest_the_blobs_chunk_encoder_makes(measured):
+    # each rank reads its two KV heads off its cache; rank 0 stores all four, in rank order
+    assert all(r["stored"] and not r["existing"] for r in measured["ingested"])
+    for case in measured["compare"]:
+        assert case["found"] and case["shape"]
+        # float32, 4 layers: measured ≤ 6.4e-5 where keys and values reach ±13 to ±15
+        assert case["keys_max_abs"] <= 5e-4 and case["values_max_abs"] <= 5e-4
+        assert case["heads_swapped_max_abs"] > 1  # the ranks' heads gathered in another order

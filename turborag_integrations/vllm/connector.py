@@ -52,8 +52,10 @@ its block ids, `save_kv_layer` reads every layer's keys and values of the chunk'
 the paged cache (layout.py: the layout is learned from the backend's own cache write) and
 `wait_for_save` stores them as the blob `ChunkEncoder` makes — same fingerprint, encoding,
 base_position and key. Prefix-cache hits are read like computed blocks: they hold the causal KV
-of the same tokens. Training-free encodings only, on one rank, in the model's dtype: anything
-else is refused at startup (`_check_save_support`).
+of the same tokens. Under tensor parallelism each rank reads its own KV heads and rank 0
+stores them gathered. Training-free encodings only, in the model's dtype, with the KV heads
+split evenly over the tensor-parallel ranks of one pipeline stage: anything else is refused at
+startup (`_check_save_support`).
 """
 
 from __future__ import annotations
@@ -156,19 +158,47 @@ def open_store(spec: str, *, memory_bytes: int, store_dir: str | None = None) ->
     return KVStore(spec, remote_url="", memory_bytes=memory_bytes)
 
 
+def _tp_cpu_group():
+    """The tensor-parallel group's CPU (gloo) side: the saved KV is on the host already."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tp_group().cpu_group
+
+
+def _on_every_rank(flag: bool) -> bool:
+    """True when `flag` is true on every tensor-parallel rank."""
+    value = torch.tensor([int(flag)])
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=_tp_cpu_group())
+    return bool(value.item())
+
+
+def _gather_heads(local: torch.Tensor) -> torch.Tensor:
+    """[layers, heads of this rank, tokens, dim] of every rank, joined in rank order: rank r
+    holds heads r·h … r·h + h − 1 (vllm/heads.py), so this is every head in order."""
+    group = _tp_cpu_group()
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=1)
+
+
 def _check_save_support(vllm_config, extra: dict) -> None:
     """Refuse, at startup, a save side whose blobs would not be `ChunkEncoder`'s: a blob holds
     every KV head of every layer, in the dtype its fingerprint names."""
     parallel = getattr(vllm_config, "parallel_config", None)
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    if tp > 1 or pp > 1:
-        # a rank holds some KV heads (tensor) or some layers (pipeline); gathering them across
-        # ranks is not written
+    heads = int(getattr(vllm_config.model_config.hf_config, "num_key_value_heads", 0) or 0)
+    if pp > 1 or (tp > 1 and (not heads or heads % tp)):
+        # tensor-parallel ranks that split the KV heads evenly each read theirs, gathered into
+        # one blob (wait_for_save); a rank of another pipeline stage holds other layers, and
+        # replicated heads would be gathered twice: neither is written
         raise ValueError(
-            f"TurboRAGConnector saves chunk blobs from one rank only (tensor_parallel_size "
-            f"{tp}, pipeline_parallel_size {pp}): ingest with a single-rank vLLM — its blobs "
-            "serve vLLMs of any rank count — and run this one as kv_consumer")
+            f"TurboRAGConnector saves chunk blobs from tensor-parallel ranks that split the "
+            f"KV heads evenly, in one pipeline stage (here tensor_parallel_size {tp} over "
+            f"{heads or '?'} KV heads, pipeline_parallel_size {pp}): ingest with a vLLM whose "
+            "tensor_parallel_size divides the KV heads — its blobs serve vLLMs of any rank "
+            "count — and run this one as kv_consumer")
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if cache_dtype not in (None, "auto"):
         raise ValueError(f"TurboRAGConnector cannot save blobs from a {cache_dtype} KV cache: a "
@@ -531,12 +561,17 @@ class TurboRAGConnector(KVConnectorBase_V1):
         for load in meta.loads:
             self._load(load, meta, layers)
 
-    def _load(self, load: LoadRequest, meta: TurboRAGConnectorMetadata, layers: dict) -> None:
+    def _ranks(self) -> tuple[int, int]:
+        """(this worker's tensor-parallel rank, the number of ranks), read once."""
         if self._tp is None:
             from vllm.distributed import parallel_state
 
             self._tp = (parallel_state.get_tensor_model_parallel_rank(),
                         parallel_state.get_tensor_model_parallel_world_size())
+        return self._tp
+
+    def _load(self, load: LoadRequest, meta: TurboRAGConnectorMetadata, layers: dict) -> None:
+        self._ranks()
         bs = self._block_size
         block_ids = torch.tensor(load.block_ids, dtype=torch.long)
         started, written, spans, errors = time.perf_counter(), 0, 0, 0
@@ -639,17 +674,26 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if not isinstance(meta, TurboRAGConnectorMetadata) or not meta.saves:
             return
         saving, self._saving = self._saving, {}
+        rank, ranks = self._ranks()
         for save in meta.saves:
             plan, layers = save.plan, saving.get(save.req_id, {})
             try:
-                if sorted(layers) != list(range(self._layers)):
+                complete = sorted(layers) == list(range(self._layers))
+                if ranks > 1:  # every rank takes the same path: the gathers below pair up
+                    complete = _on_every_rank(complete)
+                if not complete:
                     raise RuntimeError(f"{len(layers)} of the model's {self._layers} layers "
-                                       "were read")
+                                       "were read (on this rank or another)")
+                keys = torch.stack([layers[i][0] for i in range(self._layers)])
+                values = torch.stack([layers[i][1] for i in range(self._layers)])
+                if ranks > 1:  # each rank read its slice of the heads: rank 0 stores them all
+                    keys, values = _gather_heads(keys), _gather_heads(values)
+                    if rank != 0:
+                        continue
                 if self._store is None:
                     raise RuntimeError("this worker could not open the store")
                 blob = KVBlob(token_ids=torch.tensor(plan.chunk_ids, dtype=torch.long),
-                              keys=torch.stack([layers[i][0] for i in range(self._layers)]),
-                              values=torch.stack([layers[i][1] for i in range(self._layers)]),
+                              keys=keys, values=values,
                               fingerprint=meta.chunk_fp, base_position=plan.anchor_len)
                 self._store.namespace(plan.namespace).put(blob, doc_id=plan.doc_id)
             except Exception as exc:
