@@ -26,6 +26,15 @@ def require_vllm() -> None:
         pytest.skip(f"no vLLM venv at {PYTHON} (bash scripts/install.sh vllm builds it)")
 
 
+def run_in_vllm(script: str, *args, timeout: int = 1200) -> str:
+    """Run tests/vllm/<script> with vLLM's python (it must exit 0); its stderr."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / script), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     require_vllm()
@@ -33,12 +42,8 @@ def measured(tmp_path_factory):
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     out = tmp_path_factory.mktemp("vllm") / "measured.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "exactness.py"),
-                           str(model_dir), str(out)], capture_output=True, text=True, env=env,
-                          timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stderr
+    stderr = run_in_vllm("exactness.py", model_dir, out)
+    return json.loads(out.read_text()), stderr
 
 
 def test_stitched_kv_gives_the_hf_engines_turbo_answer(measured):
@@ -95,11 +100,7 @@ def test_a_blob_unreadable_at_load_time_is_recomputed_and_logged(measured):
 def offline(tmp_path_factory, model_dir):
     require_vllm()
     tmp = tmp_path_factory.mktemp("offline")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "offline.py"), model_dir,
-                           str(tmp / "kv"), str(tmp / "out.json")], capture_output=True,
-                          text=True, env=env, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_vllm("offline.py", model_dir, tmp / "kv", tmp / "out.json", timeout=600)
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -160,11 +161,7 @@ def through_redis(tmp_path_factory):
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     tmp = tmp_path_factory.mktemp("vllm-redis")
     with RedisServer(tmp / "redis") as server:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "redis_store.py"),
-                               str(model_dir), server.url, str(tmp / "out.json")],
-                              capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        run_in_vllm("redis_store.py", model_dir, server.url, tmp / "out.json", timeout=900)
     return json.loads((tmp / "out.json").read_text())
 
 

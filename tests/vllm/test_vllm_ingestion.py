@@ -7,12 +7,10 @@ Without that venv they skip, unless TURBORAG_REQUIRE_VLLM=1.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from .test_vllm_connector import PYTHON, ROOT, require_vllm
+from .test_vllm_connector import require_vllm, run_in_vllm
 
 # vLLM's CPU attention kernel and HF's sdpa round differently, and the difference compounds over
 # 30 layers: measured at most 8.2e-5 on keys and 4.2e-5 on values here, 8.5e-5 and 3.6e-5
@@ -29,11 +27,7 @@ def ingested(tmp_path_factory):
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     out = tmp_path_factory.mktemp("vllm-ingest") / "ingested.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "ingestion.py"),
-                           str(model_dir), str(out)], capture_output=True, text=True, env=env,
-                          timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_vllm("ingestion.py", model_dir, out)
     return json.loads(out.read_text())
 
 

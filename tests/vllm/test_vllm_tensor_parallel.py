@@ -8,12 +8,10 @@ tests read what it measured. Without that venv they skip, unless TURBORAG_REQUIR
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
-from .test_vllm_connector import PYTHON, ROOT, require_vllm
+from .test_vllm_connector import require_vllm, run_in_vllm
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +22,7 @@ def measured(tmp_path_factory):
     tokenizer_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     work = tmp_path_factory.mktemp("vllm-tp")
     out = work / "measured.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm" / "tensor_parallel.py"),
-                           str(tokenizer_dir), str(work), str(out)], capture_output=True,
-                          text=True, env=env, timeout=1200, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_vllm("tensor_parallel.py", tokenizer_dir, work, out)
     return json.loads(out.read_text())
 
 

@@ -24,7 +24,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from .kv.blob import Fingerprint, fingerprint_parts
+from .kv.blob import Fingerprint, digest_tensor, fingerprint_parts
 
 __all__ = ["CheckpointError", "checkpoint_weights_digest", "fingerprint_checkpoint"]
 
@@ -68,11 +68,7 @@ def checkpoint_weights_digest(folder: str | Path, dtype: torch.dtype, config) ->
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="pt").__enter__()
             t = handles[path].get_tensor(source)
-            if t.is_floating_point():
-                t = t.to(dtype)
-            h.update(name.encode())
-            h.update(str(t.dtype).encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            digest_tensor(h, name, t.to(dtype) if t.is_floating_point() else t)
             del t
     finally:
         for handle in handles.values():
@@ -81,14 +77,16 @@ def checkpoint_weights_digest(folder: str | Path, dtype: torch.dtype, config) ->
 
 
 def fingerprint_checkpoint(folder: str | Path, dtype: torch.dtype | str, name: str | None = None,
-                           tokenizer=None) -> Fingerprint:
-    """The fingerprint `fingerprint_model` gives the model loaded from `folder` in `dtype`."""
+                           tokenizer=None, config=None) -> Fingerprint:
+    """The fingerprint `fingerprint_model` gives the model loaded from `folder` in `dtype`
+    (`tokenizer` and `config`: the folder's, when the caller has them already)."""
     from transformers import AutoConfig, AutoTokenizer
 
     folder = Path(folder)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""))
-    config = AutoConfig.from_pretrained(folder)
+    if config is None:
+        config = AutoConfig.from_pretrained(folder)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     return fingerprint_parts(config, tokenizer, checkpoint_weights_digest(folder, dtype, config),

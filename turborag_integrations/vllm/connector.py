@@ -571,7 +571,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         return self._tp
 
     def _load(self, load: LoadRequest, meta: TurboRAGConnectorMetadata, layers: dict) -> None:
-        self._ranks()
+        tp = self._ranks()
         bs = self._block_size
         block_ids = torch.tensor(load.block_ids, dtype=torch.long)
         started, written, spans, errors = time.perf_counter(), 0, 0, 0
@@ -611,7 +611,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 dtype, device = kv_cache.dtype, kv_cache.device
                 # the attention layer knows how many KV heads this rank holds
                 local = int(getattr(layer, "num_kv_heads", keys.shape[1]))
-                heads = rank_heads(keys.shape[1], local, *self._tp)
+                heads = rank_heads(keys.shape[1], local, *tp)
                 k = keys[index, heads].to(device=device, dtype=torch.float32)
                 k = self._rotator.rotate(k, offset).to(dtype).transpose(0, 1).contiguous()
                 v = values[index, heads].to(device=device, dtype=dtype).transpose(0, 1).contiguous()

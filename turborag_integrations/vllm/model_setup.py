@@ -45,14 +45,15 @@ class ModelSetup:
         from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        model_fp = fingerprint_checkpoint(folder, self._dtype, model, self.tokenizer)
+        config = AutoConfig.from_pretrained(folder)
+        model_fp = fingerprint_checkpoint(folder, self._dtype, model, self.tokenizer, config)
         self.learned = resolve_encoder(extra.get("encoder", "default"), model, model_fp.weights)
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor or "none")
         self.anchor_ids = anchor_ids(self.anchor, self.tokenizer)
         self.chunk_fp = model_fp.with_encoding(chunk_encoding(self.anchor_ids, self.learned))
         self.prefix_fp = model_fp.with_encoding(PLAIN)
-        window = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+        window = int(config.max_position_embeddings)
         soft = self.learned.num_soft if self.learned is not None else 0
         self.max_chunk_tokens = window - len(self.anchor_ids) - soft
 

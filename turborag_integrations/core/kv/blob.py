@@ -107,13 +107,17 @@ def weights_digest(model) -> str:
     """
     h = xxhash.xxh3_128()
     for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest_tensor(h, name, tensor.detach())
     return h.hexdigest()
+
+
+def digest_tensor(h, name: str, tensor: torch.Tensor) -> None:
+    """Add one named tensor to a weights digest: its name, dtype and bytes (core/checkpoint.py
+    adds a checkpoint's tensors the same way, so that both digests agree)."""
+    t = tensor if tensor.device.type == "cpu" else tensor.cpu()
+    h.update(name.encode())
+    h.update(str(t.dtype).encode())
+    h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def fingerprint_model(model, tokenizer, name: str) -> Fingerprint:

@@ -176,6 +176,10 @@ class BlobSummary:
     fingerprint: Fingerprint
     token_ids: tuple[int, ...]
 
+    @classmethod
+    def of(cls, blob: KVBlob) -> "BlobSummary":
+        return cls(blob.fingerprint, tuple(blob.token_ids.tolist()))
+
 
 def summary(read: Callable[[int, int], bytes]) -> BlobSummary:
     """A stored blob's fingerprint and token ids from three small reads of its file (`read(offset,

@@ -251,8 +251,7 @@ class KVStore:
                     found = peek(key)
                 else:
                     blob = tier.get(key)
-                    found = (None if blob is None else
-                             BlobSummary(blob.fingerprint, tuple(blob.token_ids.tolist())))
+                    found = None if blob is None else BlobSummary.of(blob)
             except BlobCorrupted as exc:
                 log.debug("blob %s unreadable in the %s tier: %s", key[:12], tier.name, exc)
                 continue

@@ -97,9 +97,7 @@ class MemoryTier(Tier):
     def peek(self, key: str) -> BlobSummary | None:
         """What key's blob is of; not a use either."""
         blob = self._items.get(key)
-        if blob is None:
-            return None
-        return BlobSummary(blob.fingerprint, tuple(blob.token_ids.tolist()))
+        return None if blob is None else BlobSummary.of(blob)
 
     def clear(self) -> None:
         with self._lock:
