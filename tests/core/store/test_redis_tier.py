@@ -289,3 +289,46 @@ def test_prefix_blobs_stay_on_the_local_disk(tmp_path, server, client):
     assert store.disk.contains(key)
     assert not store.tiers[-1].contains(key)  # a prompt head is not shipped to Redis
     store.close()
+
+
+def test_peek_reads_a_few_ranges_of_the_parts_not_the_blob(client, server):
+    tier = RedisTier(server.url, part_bytes=256)  # the header and the ids straddle parts
+    blob = make_blob(7, tokens=64)
+    tier.put(blob.key, blob)
+    found = tier.peek(blob.key)
+    assert found.fingerprint == FP and found.token_ids == tuple(range(7, 71))
+    # Damage the keys and values (the last part): a peek never reads them, a get does.
+    parts = [n for n in names(client) if n.count(":") > 2]
+    last = max(parts, key=lambda n: int(n.rsplit(":", 1)[1]))
+    client.set(last, bytes(len(client.get(last))))
+    assert tier.peek(blob.key).token_ids == tuple(range(7, 71))
+    with pytest.raises(BlobCorrupted):
+        tier.get(blob.key)
+
+
+def test_peek_through_a_store_reads_redis_without_promoting(tmp_path, client, server):
+    writer = KVStore(tmp_path / "a", remote_url=server.url)
+    key = writer.put(make_blob(3))
+    reader = KVStore(tmp_path / "b", remote_url=server.url)
+    assert reader.peek(key).token_ids == tuple(range(3, 11))
+    assert not reader.disk.contains(key) and not reader.memory.contains(key)
+    assert reader.stats().other_hits == {}
+
+
+def test_peek_of_a_lost_part_or_an_absent_blob_is_a_miss(client, server):
+    tier = RedisTier(server.url, part_bytes=256)
+    blob = make_blob(tokens=64)
+    assert tier.peek(blob.key) is None
+    tier.put(blob.key, blob)
+    client.delete(next(n for n in names(client) if n.endswith(":0")))
+    assert tier.peek(blob.key) is None
+    assert client.exists(f"turborag:kv:{blob.key}")  # a peek drops nothing; a get would
+
+
+def test_peek_while_redis_is_down_is_a_miss(tmp_path):
+    with RedisServer(tmp_path / "redis") as running:
+        tier = RedisTier(running.url, retry_after_s=60)
+        blob = make_blob()
+        tier.put(blob.key, blob)
+    assert tier.peek(blob.key) is None  # the server is gone: one failure, then skipped
+    tier.close()

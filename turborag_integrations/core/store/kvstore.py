@@ -239,9 +239,9 @@ class KVStore:
 
     def peek(self, key: str) -> BlobSummary | None:
         """The fingerprint and token ids of key's blob, without its keys and values where a tier
-        can (the disk tier's header and ids), for an index over a large store (vLLM's
-        connector). Trusted only if they reproduce the key (their content address); None on a
-        miss. Not a use of the blob; no tier is filled."""
+        can (the header and ids, in the disk and Redis tiers), for an index over a large store
+        (vLLM's connector). Trusted only if they reproduce the key (their content address);
+        None on a miss. Not a use of the blob; no tier is filled."""
         if not self.owns(key):
             return None
         for tier in self._open_tiers():

@@ -246,6 +246,39 @@ class RedisTier(Tier):
         except (BlobCorrupted, KeyError, TypeError, ValueError) as exc:
             raise BlobCorrupted(f"redis {name}: {exc}") from None
 
+    def peek(self, key: str) -> format.BlobSummary | None:
+        """What key's blob is of (fingerprint, token ids) from a few byte ranges of its parts
+        (GETRANGE: the header's length, the header, the token ids), unverified as the disk
+        tier's peek is (`format.summary`); None on a miss, while Redis is unavailable, or when a
+        part is gone. Not a use of the blob: nothing is dropped or promoted."""
+        name = self._manifest_name(key)
+        raw_manifest = self._call(self._client.get, name)
+        if raw_manifest is None:
+            return None
+        manifest = _parse_manifest(raw_manifest, name)  # BlobCorrupted when unreadable
+        parts, part_bytes = self._part_names(key, manifest), manifest["part_bytes"]
+
+        def read(offset: int, length: int) -> bytes:
+            # A range may straddle parts; the manifest's part size, not ours, cuts the blob.
+            length = max(0, min(length, manifest["bytes"] - offset))
+            pieces = []
+            while length > 0:
+                i, within = divmod(offset, part_bytes)
+                take = min(length, part_bytes - within)
+                piece = self._call(self._client.getrange, parts[i], within, within + take - 1)
+                if piece is None or len(piece) != take:  # unavailable, or a part lost
+                    raise _Unreadable
+                pieces.append(piece)
+                offset, length = offset + take, length - take
+            return b"".join(pieces)
+
+        try:
+            return format.summary(read)
+        except _Unreadable:
+            return None
+        except BlobCorrupted as exc:
+            raise BlobCorrupted(f"redis {name}: {exc}") from None
+
     def put(self, key: str, blob: KVBlob) -> int:
         """Write the blob in parts, then publish its manifest. Returns the bytes now held for
         key (the existing entry's when there is one), or 0 when Redis is unavailable or the
@@ -330,6 +363,10 @@ class RedisTier(Tier):
         if not self._closed:
             self._closed = True
             self._client.close()
+
+
+class _Unreadable(Exception):
+    """A peek's range that Redis did not give whole: a miss, not a corrupted entry."""
 
 
 def _parse_manifest(raw: bytes, name: str) -> dict:
