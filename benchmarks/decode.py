@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -106,7 +105,7 @@ def stock_generate(engine: TurboRAGEngine, prompt: str, new_tokens: int) -> dict
             "context": ids["input_ids"].shape[1]}
 
 
-MODES = {  # name: (GenerationConfig options, TURBORAG_DECODE_MATMUL)
+MODES = {  # name: (GenerationConfig options, decode_loop's matmul)
     "engine": ({}, None),  # fp32 fast path, matmul picked on this machine
     "linear": ({}, "linear"),  # fp32 fast path with F.linear: bit-identical to stock steps
     "int8": ({"quantize": "int8"}, None),  # int8 weights: faster, answers drift
@@ -121,22 +120,13 @@ def engine_decode(engine: TurboRAGEngine, pre, new_tokens: int, mode: str,
     options, matmul = MODES[mode]
     cache = pre.cache.clone()
     config = GenerationConfig(max_new_tokens=new_tokens, **options)
-    saved = os.environ.get("TURBORAG_DECODE_MATMUL")
-    if matmul:
-        os.environ["TURBORAG_DECODE_MATMUL"] = matmul
-    try:
-        tokens, t1 = [], None
-        for token in decode_loop(engine.model, cache, pre.logits, pre.next_position, config,
-                                 set(eos)):
-            if t1 is None:
-                t1 = time.perf_counter()
-            tokens.append(token)
-        t2 = time.perf_counter()
-    finally:
-        if matmul:
-            os.environ.pop("TURBORAG_DECODE_MATMUL")
-            if saved is not None:
-                os.environ["TURBORAG_DECODE_MATMUL"] = saved
+    tokens, t1 = [], None
+    for token in decode_loop(engine.model, cache, pre.logits, pre.next_position, config,
+                             set(eos), matmul=matmul):
+        if t1 is None:
+            t1 = time.perf_counter()
+        tokens.append(token)
+    t2 = time.perf_counter()
     steps = len(tokens) - 1
     return (steps / (t2 - t1) if steps > 0 else float("nan")), tokens
 

@@ -271,3 +271,22 @@ def test_several_tokens_in_one_forward_equal_one_by_one(tiny, matmul):
     for la, lb in zip(a.layers, b.layers):
         torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lb.values, la.values, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_loop_takes_its_matmul_without_the_environment(tiny_llama, monkeypatch):
+    """A caller picks the products per call; the environment is only the default."""
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    monkeypatch.setenv("TURBORAG_DECODE_MATMUL", "gemm")
+    ids = prompt_ids(tok)
+    config = GenerationConfig(max_new_tokens=6)
+    runs = {}
+    for matmul, fast in (("linear", True), (None, False)):
+        cache, logits = prefill(model, ids)
+        runs[matmul] = list(decode_loop(model, cache, logits, len(ids), config, set(),
+                                        fast=fast, matmul=matmul))
+    assert runs["linear"] == runs[None]  # F.linear decodes as the stock forward does
+    assert step_function(model, matmul="linear").__self__.matmul == "linear"
+    assert step_function(model).__self__.matmul == "gemm"  # the environment's default
+    cache, logits = prefill(model, ids)
+    with pytest.raises(ValueError, match="matmul"):
+        next(iter(decode_loop(model, cache, logits, len(ids), config, set(), matmul="blas")))

@@ -64,21 +64,22 @@ class TextDeltas:
         return delta
 
 
-def step_function(model, quantize: str | None = None, fast: bool = True):
+def step_function(model, quantize: str | None = None, fast: bool = True,
+                  matmul: str | None = None):
     """A function (token, position, cache) -> next-token logits [vocab] for one decode step.
 
     The fast path (`decode.FastDecoder`) for supported models, else the model's own forward;
     quantisation needs the fast path and falls back to full precision (with a warning)
-    where it cannot run.
+    where it cannot run. matmul: the fast path's products (`FastDecoder.for_model`).
     """
     if fast:
         try:
-            decoder = FastDecoder.for_model(model, quantize)
+            decoder = FastDecoder.for_model(model, quantize, matmul)
         except (ValueError, RuntimeError) as e:
             if quantize is None:
                 raise
             log.warning("%s decoding unavailable (%s); decoding in full precision", quantize, e)
-            decoder = FastDecoder.for_model(model)
+            decoder = FastDecoder.for_model(model, matmul=matmul)
         if decoder is not None:
             return decoder.step
     if quantize is not None:
@@ -88,12 +89,14 @@ def step_function(model, quantize: str | None = None, fast: bool = True):
 
 def decode_loop(model, cache, logits: torch.Tensor, position: int, config: GenerationConfig,
                 eos_ids: set[int], max_new_tokens: int | None = None, *,
-                fast: bool = True, draft_stats: DraftStats | None = None) -> Iterator[int]:
+                fast: bool = True, draft_stats: DraftStats | None = None,
+                matmul: str | None = None) -> Iterator[int]:
     """Yield new token ids; the cache grows by each token as it is fed back.
 
     The token is yielded before its forward step, so a consumer that stops early never pays
     for a step it does not use. fast=False runs every step through the model's stock forward
-    (the reference the fast path is tested against).
+    (the reference the fast path is tested against). matmul: the fast path's products
+    ("linear", "gemm", "auto"; None: TURBORAG_DECODE_MATMUL, see `FastDecoder.for_model`).
     """
     sampler = Sampler(config)
     limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -104,7 +107,7 @@ def decode_loop(model, cache, logits: torch.Tensor, position: int, config: Gener
                                           eos_ids, limit, sampler, draft_stats)
             return
         log.warning("%s drafting unavailable for this model; decoding without drafts", config.draft)
-    step = step_function(model, config.quantize, fast) if limit > 1 else None
+    step = step_function(model, config.quantize, fast, matmul) if limit > 1 else None
     for i in range(limit):
         token = sampler(logits)
         if token in eos_ids:
