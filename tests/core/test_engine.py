@@ -259,3 +259,29 @@ def test_a_prepared_request_is_what_generate_decodes(engine):
     assert prepared.limit == engine.context_window - prepared.position
     with pytest.raises(ValueError, match="mode"):
         Request(prompt, mode="fast")
+
+
+def test_views_of_quiet_namespaces_are_let_go_and_share_one_key_cache(tiny, tmp_path,
+                                                                       monkeypatch):
+    """A server makes a view per cache salt: the engine keeps the most recent views only, and
+    the chunk keys they remember live in one bounded cache."""
+    monkeypatch.setattr(TurboRAGEngine, "MAX_VIEWS", 2)
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    engine._keys.max_entries = 4
+    first = engine.namespaced("acme/s0")
+    key = first.encode_chunks(CHUNKS[:1])[0]
+    for i in range(1, 4):
+        view = engine.namespaced(f"acme/s{i}")
+        assert view._keys is engine._keys
+        view.chunk_key(CHUNKS[0])
+        view.chunk_key(CHUNKS[1])
+    assert len(engine._keys) == 4  # one bound over every namespace
+    assert engine.namespaced("acme/s3") is view and len(engine._views) == 2
+    again = engine.namespaced("acme/s0")
+    assert again is not first and again.chunk_key(CHUNKS[0]) == key  # the same namespace
+    prompt = "Context:\n" + CHUNKS[0] + "\nQuestion: who?\nAnswer:"
+    config = GenerationConfig(max_new_tokens=3)
+    for held in (first, again):  # the one let go still answers from its namespace's blobs
+        assert held.generate(prompt, chunks=CHUNKS[:1], config=config).stats.cache_hits == 1
+    assert engine.namespaced("acme/s1").chunk_key(CHUNKS[0]) != key
+    engine.close()

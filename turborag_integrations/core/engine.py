@@ -33,6 +33,7 @@ from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
 from .store import KVStore
+from .store.namespaces import RecentlyUsed
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "Generation
 class TurboRAGEngine(ChunkLibrary):
     """A model that answers prompts over stored chunk blobs; it is the chunk library those
     blobs are ingested into and found in (core/library.py)."""
+
+    # Namespace views kept at once (`namespaced`): a view is a shallow copy, a few kB.
+    MAX_VIEWS = 1024
 
     def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
@@ -120,7 +124,8 @@ class TurboRAGEngine(ChunkLibrary):
         root_store = store if isinstance(store, KVStore) else KVStore(store)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
-        self._views: dict[tuple[str, tuple[str, ...]], TurboRAGEngine] = {}
+        self._views: RecentlyUsed[tuple[str, tuple[str, ...]], TurboRAGEngine] = RecentlyUsed(
+            self.MAX_VIEWS)
         self._views_lock = threading.Lock()
         ChunkLibrary.__init__(
             self,
@@ -133,21 +138,26 @@ class TurboRAGEngine(ChunkLibrary):
         """This engine in namespace `name`: the same model, encoders and cache pool, the store
         of that namespace (core/store/namespaces.py). A chunk without a blob of its own there is
         looked up in the `shared` namespaces too, in order (read only: whatever this view
-        encodes goes into `name`). The same object for the same arguments, so that adapters
-        built on it share one chunk registry; closing a view closes nothing."""
+        encodes goes into `name`). Closing a view closes nothing.
+
+        The same object for the same arguments while it is among the `MAX_VIEWS` most recently
+        asked for: a server makes a view per cache salt, and the views of salts gone quiet are
+        let go (one still held keeps working; asking again makes an equal one). The chunk keys
+        views remember are one bounded cache of the root's (`library.KeyCache`)."""
         key = (name, tuple(shared))
         root = getattr(self, "_root", self)
         if key == (root.namespace, ()):
             return root
         others = tuple(root.namespaced(n) for n in shared if n != name)
+
+        def view() -> TurboRAGEngine:
+            made = copy.copy(root)
+            made._root, made._owns_store = root, False
+            made._bind(root.store.namespace(name), others, root._keys)
+            return made
+
         with root._views_lock:
-            view = root._views.get(key)
-            if view is None:
-                view = copy.copy(root)
-                view._root, view._owns_store = root, False
-                view._bind(root.store.namespace(name), others)
-                root._views[key] = view
-        return view
+            return root._views.get(key, view)
 
     def close(self) -> None:
         """Close the KV store if this engine opened it (a store passed in stays open)."""

@@ -23,7 +23,30 @@ from .store import KVStore, StoreWriteError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkLibrary"]
+__all__ = ["ChunkLibrary", "KeyCache"]
+
+
+class KeyCache:
+    """Chunk texts' store keys, remembered for an engine and all its namespace views together,
+    so that one bound (`max_entries`, the oldest forgotten first) holds however many
+    namespaces — a server's cache salts — come and go. Thread-safe."""
+
+    def __init__(self, max_entries: int = 65536):
+        self.max_entries = max_entries
+        self._keys: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def get(self, namespace: str, digest: str) -> str | None:
+        return self._keys.get((namespace, digest))
+
+    def put(self, namespace: str, digest: str, key: str) -> None:
+        with self._lock:
+            while len(self._keys) >= self.max_entries:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[(namespace, digest)] = key
 
 
 class ChunkLibrary:
@@ -44,13 +67,13 @@ class ChunkLibrary:
         self._separators: dict[tuple[int, ...], KVBlob] | None = None
         self._bind(store, shared)
 
-    def _bind(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]") -> None:
-        """Point this engine (or a view of it) at one namespace's store."""
+    def _bind(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]",
+              keys: KeyCache | None = None) -> None:
+        """Point this engine (or a view of it, with its root's `keys`) at one namespace's store."""
         self.store = store
         self.namespace = store.namespace_name
         self._shared = shared
-        self._keys: dict[str, str] = {}
-        self._keys_lock = threading.Lock()
+        self._keys = keys if keys is not None else KeyCache()
         self._separator_keys: list[str] | None = None
 
     def chunk_key(self, text: str) -> str:
@@ -61,13 +84,10 @@ class ChunkLibrary:
         # Retrieved chunks and prompt heads come back query after query; remember their keys
         # rather than tokenizing 4K tokens of text again on the TTFT path.
         digest = encoder.fingerprint.encoding + "|" + xxhash.xxh3_128_hexdigest(text.encode())
-        key = self._keys.get(digest)
+        key = self._keys.get(self.namespace, digest)
         if key is None:
             key = self.store.key(encoder.fingerprint, encoder.tokenize(text))
-            with self._keys_lock:
-                if len(self._keys) >= 65536:
-                    self._keys.pop(next(iter(self._keys)))
-                self._keys[digest] = key
+            self._keys.put(self.namespace, digest, key)
         return key
 
     def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,

@@ -106,3 +106,41 @@ def test_namespaces_close_with_their_store_and_are_validated(tmp_path):
     root.close()
     with pytest.raises(Exception, match="closed"):
         child.get("x")
+
+
+def test_salts_gone_quiet_are_let_go_and_tenants_are_kept(tmp_path, monkeypatch):
+    """A server may see a cache salt per user: the store keeps the most recent salted
+    namespaces' objects only, and their blobs stay in the tenant's disk tier."""
+    monkeypatch.setattr(KVStore, "MAX_SALTED", 3)
+    with KVStore(tmp_path) as root:
+        tenant = root.namespace("acme")
+        first = root.namespace("acme/s0")
+        key = first.put(make_blob())
+        for i in range(1, 6):
+            root.namespace(f"acme/s{i}")
+            root.namespace("acme/s5")  # asked for again: the most recent
+        assert len(root._salted) == 3 and root.namespace("acme") is tenant
+        assert root.namespace("acme/s5") is root.namespace("acme/s5")
+        again = root.namespace("acme/s0")  # let go: made again, the same blobs
+        assert again is not first and again.get(key, FP) is not None
+        assert first.get(key, FP) is not None  # one still held keeps working
+
+
+def test_every_namespace_prefetches_on_its_root_stores_threads(tmp_path):
+    import threading
+
+    def prefetch_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("kv-prefetch")}
+
+    before = prefetch_threads()  # other tests' stores may still hold theirs
+    with KVStore(tmp_path, prefetch_threads=2) as root:
+        keys = {}
+        for i in range(20):
+            store = root.namespace(f"acme/s{i}")
+            keys[store] = store.put(make_blob(first_token=i))
+        for store, key in keys.items():
+            [future] = store.prefetch([key], FP)
+            assert future.result() is not None
+        assert len(prefetch_threads() - before) <= 2  # not two per salt
+    with pytest.raises(Exception, match="closed"):
+        store.prefetch([key], FP)

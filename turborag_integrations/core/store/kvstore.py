@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable
 
@@ -20,8 +19,9 @@ from .budget import parse_size
 from .disk import KINDS, DiskTier
 from .format import BlobSummary
 from .memory import MemoryTier
-from .stats import NAMED_TIERS, StoreStats
-from .namespaces import check_namespace, disk_partition, key_in_namespace, namespace_root
+from .stats import StoreStats
+from .namespaces import (RecentlyUsed, check_namespace, disk_partition, key_in_namespace,
+                         namespace_root)
 from .tier import Tier, owned_copy
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class KVStore:
     its tiers; closing twice is harmless. After close, get, put, contains, delete, delete_doc,
     keys and prefetch raise StoreClosedError.
     """
+
+    MAX_SALTED = 4096  # salted namespaces' stores kept at once (`namespace`); a few kB each
 
     def __init__(self, root: str | os.PathLike | None = None, *, memory_bytes: int = 2 << 30,
                  storage_dtype: str = "native", accelerator_bytes: int = 0,
@@ -94,7 +96,8 @@ class KVStore:
         self._prefetch_threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        self._children: dict[str, KVStore] = {}
+        self._children: dict[str, KVStore] = {}  # namespaces with a disk tier of their own
+        self._salted: RecentlyUsed[str, KVStore] = RecentlyUsed(self.MAX_SALTED)
         self._parent: KVStore | None = None
         self._owns_disk = True
 
@@ -103,7 +106,9 @@ class KVStore:
         """The store of namespace `name` (a tenant): its own disk tier under
         `<root>/namespaces/<tag>` with the same budgets, its own keys (`key`), and the memory,
         accelerator and remote tiers of this store, in which it sees only its own keys (see
-        `namespaces.py`). The same object for the same name; "" is the default namespace."""
+        `namespaces.py`). The same object for the same name; "" is the default namespace. A
+        salted namespace ("tenant/salt", which uses its tenant's disk tier) is the same object
+        while among the `MAX_SALTED` most recently asked for; one let go keeps working."""
         check_namespace(name)
         if name == self.namespace_name:
             return self
@@ -112,6 +117,8 @@ class KVStore:
         with self._lock:
             if self._closed:
                 raise StoreClosedError(f"the KV store at {self.base} is closed")
+            if disk_partition(name) != name:  # salted: no tier of its own, let go when quiet
+                return self._salted.get(name, lambda: self._child(name))
             child = self._children.get(name)
             if child is None:
                 child = self._children[name] = self._child(name)
@@ -161,15 +168,11 @@ class KVStore:
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self._stats, name, getattr(self._stats, name) + n)
+            self._stats.count(name, n)
 
     def _count_hit(self, tier: Tier) -> None:
-        if tier.name in NAMED_TIERS:
-            self._count(f"{tier.name}_hits")
-            return
         with self._lock:
-            others = self._stats.other_hits
-            others[tier.name] = others.get(tier.name, 0) + 1
+            self._stats.count_hit(tier.name)
 
     # ---- write ------------------------------------------------------------------------------
     def put(self, blob: KVBlob, *, doc_id: str | None = None, kind: str = "chunk") -> str:
@@ -286,13 +289,17 @@ class KVStore:
     def prefetch(self, keys: Iterable[str], fingerprint: Fingerprint | None = None
                  ) -> list[Future]:
         """Start loading blobs in background threads; each is a `get`, so hits fill the faster
-        tiers."""
+        tiers. Every namespace's store uses its root store's threads: a server's many cache
+        salts do not each start a pool."""
         self._open_tiers()
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._prefetch_threads,
+        root = self._parent if self._parent is not None else self
+        with root._lock:
+            if root._closed:
+                raise StoreClosedError(f"the KV store at {self.root} is closed")
+            if root._pool is None:
+                root._pool = ThreadPoolExecutor(root._prefetch_threads,
                                                 thread_name_prefix="kv-prefetch")
-            pool = self._pool
+            pool = root._pool
         return [pool.submit(self.get, key, fingerprint) for key in keys]
 
     # ---- management -------------------------------------------------------------------------
@@ -326,7 +333,8 @@ class KVStore:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
-            children, self._children = list(self._children.values()), {}
+            children = [*self._children.values(), *self._salted.values()]
+            self._children, self._salted = {}, RecentlyUsed(self.MAX_SALTED)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         for child in children:
@@ -379,15 +387,7 @@ class KVStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            s = StoreStats(**asdict(self._stats))
-        if self.memory is not None:
-            s.memory_bytes = self.memory.bytes
-            s.memory_evictions = self.memory.evictions
-            s.memory_rejections = self.memory.rejections
-        if self.accelerator is not None:
-            s.accelerator_bytes = self.accelerator.bytes
-        s.disk_evictions = self.disk.evictions
-        return s
+            return self._stats.copy_with_tiers(self.memory, self.accelerator, self.disk)
 
     def disk_usage(self) -> dict:
         """Blobs and bytes on disk (all kinds), the prefix blobs' share, and the budgets."""

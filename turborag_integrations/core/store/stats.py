@@ -25,6 +25,26 @@ class StoreStats:
     accelerator_bytes: int = 0
     other_hits: dict[str, int] = field(default_factory=dict)  # by tier name, for `tiers=`
 
+    def count(self, name: str, n: int = 1) -> None:
+        setattr(self, name, getattr(self, name) + n)
+
+    def count_hit(self, tier: str) -> None:
+        if tier in NAMED_TIERS:
+            self.count(f"{tier}_hits")
+        else:
+            self.other_hits[tier] = self.other_hits.get(tier, 0) + 1
+
+    def copy_with_tiers(self, memory, accelerator, disk) -> "StoreStats":
+        """A copy with what the tiers hold now (bytes, evictions) filled in."""
+        s = StoreStats(**{**asdict(self), "other_hits": dict(self.other_hits)})
+        if memory is not None:
+            s.memory_bytes, s.memory_evictions = memory.bytes, memory.evictions
+            s.memory_rejections = memory.rejections
+        if accelerator is not None:
+            s.accelerator_bytes = accelerator.bytes
+        s.disk_evictions = disk.evictions
+        return s
+
     @property
     def hit_ratio(self) -> float:
         hits = (self.accelerator_hits + self.memory_hits + self.disk_hits
