@@ -24,7 +24,8 @@ def finetune_command(
     steps: int = typer.Option(200, help="optimizer steps"),
     batch_size: int = typer.Option(2),
     lr: Optional[float] = typer.Option(None, help="learning rate (default 5e-5; LoRA: try 5e-4; "
-                                       "--encoder: 2e-3)"),
+                                       "--encoder: 2e-3, which a 0.5B model needs lowered "
+                                       "to 5e-4)"),
     positions: str = typer.Option("reordered", help="reordered | composite"),
     lora: bool = typer.Option(False, help="train LoRA adapters (needs peft) and merge them; with "
                               "--encoder, an encode-only LoRA in the encoder file"),
