@@ -481,3 +481,19 @@ def test_reference_modes_bound_the_agreement(tmp_path):
     for bad in ("naive-rotated+boundary:4", "ft:turbo-oracle", "turbo-oracle#none"):
         with pytest.raises(ValueError, match="reference"):
             ModeSpec.parse(bad)
+
+
+def test_chunk_encoding_reports_progress_per_encoding(tmp_path):
+    """A larger model spends minutes encoding before the first mode: each encoding says so,
+    once for the modes that share its blobs."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did it in May.", "Orrin did not."]}))
+    seen = []
+    evaluate(engine, load_items(p).items, ["naive", "turbo", "turbo+boundary:4", "turbo@bos"],
+             max_new_tokens=2, progress=lambda *call: seen.append(call), token_agreement=False)
+    encoding = [c for c in seen if c[0].startswith("encoding chunks")]
+    assert [c[0] for c in encoding if c[1] == c[2]] == [
+        "encoding chunks for turbo, turbo+boundary:4", "encoding chunks for turbo@bos"]
+    assert {c[2] for c in encoding} == {2}
