@@ -258,16 +258,16 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 key = (spec.anchor, spec.encoder)
                 engines[spec] = siblings.get(key) or siblings.setdefault(
                     key, _sibling(eng, spec.anchor, spec.encoder, head))
-        served: dict[int, list[str]] = {}  # engine -> the turbo modes that read its blobs
+        served: dict[int, tuple] = {}  # id(engine) -> (engine, the turbo modes on its blobs)
         for s in specs:
             if s.finetuned == ft and s.mode == "turbo":
-                served.setdefault(id(engines[s]), []).append(s.name)
-        for s in (s for s in specs if s.finetuned == ft):
-            names = served.pop(id(engines[s]), None)
-            if names and chunks:  # ingestion: not part of TTFT; minutes for a larger model
+                served.setdefault(id(engines[s]), (engines[s], []))[1].append(s.name)
+        for e, names in served.values():
+            if chunks:  # ingestion: not part of TTFT; minutes for a larger model
                 label = f"encoding chunks for {', '.join(names)}"
-                engines[s].encode_chunks(chunks, progress=(
-                    (lambda done, total: progress(label, done, total)) if progress else None))
+                e.encode_chunks(chunks, progress=(
+                    (lambda done, total, label=label: progress(label, done, total))
+                    if progress else None))
         eng.warmup()
     todo = [it for it in items if it.id not in skipped]
     rows_of: dict[str, list[dict]] = {}

@@ -36,7 +36,7 @@ class StoreStats:
 
     def copy_with_tiers(self, memory, accelerator, disk) -> "StoreStats":
         """A copy with what the tiers hold now (bytes, evictions) filled in."""
-        s = StoreStats(**{**asdict(self), "other_hits": dict(self.other_hits)})
+        s = StoreStats(**asdict(self))  # asdict copies other_hits too
         if memory is not None:
             s.memory_bytes, s.memory_evictions = memory.bytes, memory.evictions
             s.memory_rejections = memory.rejections
