@@ -55,6 +55,7 @@ corpus encodes every chunk of the set once (408 for the held-out set; minutes on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -380,7 +381,8 @@ def main(argv=None) -> int:
                     help="the TurboRAG mode's query-time recovery, e.g. boundary:32 (the LLMs' "
                          "`recovery` field; docs/accuracy.md)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file")
+    ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file, each as "
+                    "it comes (a stopped run keeps what it made)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
@@ -428,9 +430,20 @@ def main(argv=None) -> int:
     classes = {"llama_index": LlamaIndexPipeline, "langchain": LangChainPipeline,
                "langchain_system": LangChainSystemPipeline}
     rows: list[dict] = []
+    # Every reply goes to --out as it comes, one flushed line each: a run that is stopped (a
+    # long CPU run over 72 items is an hour or more) leaves every reply it made.
+    sink = open(args.out, "w", encoding="utf-8") if args.out else None
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if sink is not None:
+            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            sink.flush()
+
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    with tempfile.TemporaryDirectory(prefix="turborag-pipelines-",
-                                     ignore_cleanup_errors=True) as tmp:
+    with contextlib.closing(sink) if sink else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory(prefix="turborag-pipelines-",
+                                        ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)
         kwargs = {"store": str(workdir / "kv"), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
@@ -456,13 +469,13 @@ def main(argv=None) -> int:
                             runner.answer(item["question"], mode)  # untimed warm-up
                         reply, stats, retrieved = runner.answer(item["question"], mode)
                     except ContextWindowError as exc:
-                        rows.append({"id": item["id"], "pipeline": runner.name, "mode": mode,
-                                     "unanswerable": item["unanswerable"], "error": str(exc)})
+                        emit({"id": item["id"], "pipeline": runner.name, "mode": mode,
+                              "unanswerable": item["unanswerable"], "error": str(exc)})
                         log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name} {mode}: {exc}")
                         continue
                     reply = reply.strip()
                     correct, refusal = judge(reply, item)
-                    rows.append({
+                    emit({
                         "id": item["id"], "pipeline": runner.name, "mode": mode,
                         "question": item["question"], "answers": item["answers"],
                         "unanswerable": item["unanswerable"], "reply": reply,
@@ -480,10 +493,6 @@ def main(argv=None) -> int:
                         f"hits {stats.get('cache_hits')}  {reply[:70]!r}")
         dtype = engine.fingerprint.dtype
 
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
                 "engine_args": engine_args, "recovery": args.recovery, "pipelines": pipelines,

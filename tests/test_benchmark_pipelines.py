@@ -122,6 +122,27 @@ def test_per_item_keeps_one_collection_per_item_and_retrieves_all_its_chunks(
                                                             "none": None}
 
 
+def test_out_keeps_the_replies_of_a_run_that_is_stopped(bench, data, model_dir, tmp_path,
+                                                          monkeypatch):
+    """--out is written reply by reply: a run that dies on its second item leaves the first's."""
+    original = bench.LangChainPipeline.answer
+    asked = []
+
+    def answer(self, question, mode):
+        asked.append(question)
+        if question == ITEMS[1]["question"]:
+            raise KeyboardInterrupt  # a user stopping a long run
+        return original(self, question, mode)
+    monkeypatch.setattr(bench.LangChainPipeline, "answer", answer)
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([str(a) for a in (data, "--model", model_dir, "--pipelines", "langchain",
+                                     "--max-new-tokens", 2, "--json", "--out", out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["mode"]) for r in rows] == [("ship", m) for m in bench.MODES]
+    assert all("reply" in r for r in rows)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be ≥ 1"),
     (["--k", "-3"], "--k must be ≥ 1"),
