@@ -461,6 +461,48 @@ def test_eval_command_options(tmp_path, monkeypatch):
         assert "same reply as full %" in (out / "table.md").read_text()
 
 
+def test_system_instruction_reaches_every_prompt(tmp_path, monkeypatch):
+    """evaluate(system=...) builds every mode's prompt with that instruction (the default one
+    nowhere), and the CLI's --system reaches evaluate and results.json."""
+    from typer.testing import CliRunner
+
+    from turborag_integrations.cli import app
+    from turborag_integrations.core import engine as engine_mod
+    from turborag_integrations.evaluation.prompt import SYSTEM
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv")
+    prompts = []
+    real_generate = engine.generate
+
+    def generate(prompt, **kwargs):
+        prompts.append(prompt)
+        return real_generate(prompt, **kwargs)
+    monkeypatch.setattr(engine, "generate", generate)
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": ["Tamsin did.", "Orrin sold kites."]}))
+    refuse = "If the context does not say, reply: not in the context."
+    res = evaluate(engine, load_items(p).items, ["naive", "naive-rotated", "turbo"],
+                   max_new_tokens=2, system=refuse)
+    asked = [q for q in prompts if "Question: Who?" in q]  # not the engine's warm-up
+    assert len(asked) == 3 and set(res["modes"]) == {"naive", "naive-rotated", "turbo"}
+    assert all(refuse in q and SYSTEM not in q for q in asked)
+    with pytest.raises(ValueError, match="system instruction is empty"):
+        evaluate(engine, load_items(p).items, ["naive"], system="  ")
+
+    real = engine_mod.TurboRAGEngine
+    monkeypatch.setattr(engine_mod, "TurboRAGEngine", lambda model=None, **kw: real(
+        tiny_model("llama"), **{**kw, "adapter": None, "encoder": None}))
+    for args, expected in (([], SYSTEM), (["--system", refuse], refuse)):
+        out = tmp_path / f"out{len(args)}"
+        result = CliRunner().invoke(app, ["eval", str(p), "--modes", "naive,turbo", "--out",
+                                          str(out), "--max-new-tokens", "2", *args])
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "results.json").read_text())["system"] == expected
+        rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+        assert len(rows) == 2
+
+
 def test_reference_modes_bound_the_agreement(tmp_path):
     """turbo-oracle stitches the full prefill's own KV: it must agree with the full prefill on
     every item and every token (the stitched prompt is the full prompt's tokens); naive-rotated

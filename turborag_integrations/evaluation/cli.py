@@ -53,6 +53,9 @@ def eval_command(
     out: Path = typer.Option(Path("eval-out"), help="folder for results.json, answers.jsonl, "
                              "table.md, plot.png"),
     max_new_tokens: int = typer.Option(24),
+    system: Optional[str] = typer.Option(
+        None, help="the prompt's system instruction (default: evaluation/prompt.py's SYSTEM), "
+                   "e.g. one that asks for a refusal when the context lacks the answer"),
     limit: Optional[int] = typer.Option(None, help="evaluate the first N items "
                                         "(long-document sets: documents) only"),
     table: bool = typer.Option(True, help="write and print a markdown table"),
@@ -105,6 +108,7 @@ def eval_command(
     from ..core.errors import TurboRAGError
     from ..core.models import DEFAULT_MODEL
     from .harness import evaluate, load_items, markdown_table, temporary_store, write_results
+    from .prompt import SYSTEM
 
     report = load_items(data)
     for line, reason in report.errors:
@@ -133,7 +137,8 @@ def eval_command(
 
             results = evaluate(engine, report.items, mode_list, max_new_tokens=max_new_tokens,
                                ft_engine=ft_engine, ft_doc_tokens=ft_doc, progress=progress,
-                               limit=limit, token_agreement=token_agreement)
+                               limit=limit, token_agreement=token_agreement,
+                               **({} if system is None else {"system": system}))
     except (TurboRAGError, ValueError) as exc:
         fail(str(exc))
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
@@ -142,6 +147,7 @@ def eval_command(
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
+    results["system"] = SYSTEM if system is None else system
     if finetuned is not None:
         results["finetuned"] = str(finetuned)
     for s in results["skipped"]:

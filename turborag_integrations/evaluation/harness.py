@@ -58,7 +58,7 @@ from ..core.prefill.recovery import parse_recovery
 from .agreement import reply_logits, token_agreement
 from .jsonl import read_jsonl
 from .metrics import is_refusal, normalize, score
-from .prompt import build_prompt, prompt_head
+from .prompt import SYSTEM, build_prompt, prompt_head
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +218,15 @@ def _median(xs: Sequence[float]) -> float:
 def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tokens: int = 24,
              ft_engine=None, ft_doc_tokens: bool = False,
              progress: Callable[[str, int, int], None] | None = None,
-             limit: int | None = None, token_agreement: bool = True) -> dict:
+             limit: int | None = None, token_agreement: bool = True,
+             system: str = SYSTEM) -> dict:
     """Run every mode over the items; return {"modes": {...}, "answers": [...], "skipped": [...]}.
 
     token_agreement: also measure reply_kl / reply_top1 against the naive reply (one extra
-    prefill and forward per item and mode)."""
+    prefill and forward per item and mode). system: the prompt's system instruction (every
+    mode's prompt, and the text the "head" anchor encodes chunks after)."""
+    if not system.strip():
+        raise ValueError("the system instruction is empty: give one, or leave the default")
     specs = [ModeSpec.parse(m) for m in modes]
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -242,7 +246,8 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
         doc = ft_doc_tokens if ft else False
         table = {}
         for it in items:
-            prompt, texts = build_prompt(eng.tokenizer, it.question, it.chunks, doc_tokens=doc)
+            prompt, texts = build_prompt(eng.tokenizer, it.question, it.chunks, doc_tokens=doc,
+                                         system=system)
             n = len(eng.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             if n + max_new_tokens > eng.context_window:
                 skipped[it.id] = (f"prompt of {n} tokens + {max_new_tokens} to generate exceeds "
@@ -251,7 +256,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             table[it.id] = (prompt, texts)
         prepared[ft] = table
         chunks = sorted({c for p in table.values() for c in p[1]})
-        head = prompt_head(eng.tokenizer)
+        head = prompt_head(eng.tokenizer, system)
         siblings: dict = {}
         for spec in specs:
             if spec.finetuned == ft:
@@ -283,7 +288,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             prompt, texts = prepared[spec.finetuned][it.id]
             if spec.reference == "rotated":  # the same chunks, the first one moved last
                 prompt, texts = build_prompt(eng.tokenizer, it.question,
-                                             it.chunks[1:] + it.chunks[:1])
+                                             it.chunks[1:] + it.chunks[:1], system=system)
             elif spec.reference == "oracle":
                 prompt = oracle_segments(eng, prompt, texts)
             try:
