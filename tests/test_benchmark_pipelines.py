@@ -126,10 +126,8 @@ def test_out_keeps_the_replies_of_a_run_that_is_stopped(bench, data, model_dir, 
                                                           monkeypatch):
     """--out is written reply by reply: a run that dies on its second item leaves the first's."""
     original = bench.LangChainPipeline.answer
-    asked = []
 
     def answer(self, question, mode):
-        asked.append(question)
         if question == ITEMS[1]["question"]:
             raise KeyboardInterrupt  # a user stopping a long run
         return original(self, question, mode)

@@ -110,6 +110,7 @@ def eval_command(
     from .harness import evaluate, load_items, markdown_table, temporary_store, write_results
     from .prompt import SYSTEM
 
+    system = SYSTEM if system is None else system
     report = load_items(data)
     for line, reason in report.errors:
         typer.secho(f"{data}:{line}: skipped malformed line: {reason}", fg=typer.colors.YELLOW,
@@ -137,8 +138,7 @@ def eval_command(
 
             results = evaluate(engine, report.items, mode_list, max_new_tokens=max_new_tokens,
                                ft_engine=ft_engine, ft_doc_tokens=ft_doc, progress=progress,
-                               limit=limit, token_agreement=token_agreement,
-                               **({} if system is None else {"system": system}))
+                               limit=limit, token_agreement=token_agreement, system=system)
     except (TurboRAGError, ValueError) as exc:
         fail(str(exc))
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
@@ -147,7 +147,7 @@ def eval_command(
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
-    results["system"] = SYSTEM if system is None else system
+    results["system"] = system
     if finetuned is not None:
         results["finetuned"] = str(finetuned)
     for s in results["skipped"]:
