@@ -9,8 +9,9 @@
     python benchmarks/pipelines.py --out answers.jsonl               # every reply, one per line
 
 The JSONL set has lines {"id", "question", "answers": [...], "chunks": [...], "gold": [indices
-into chunks], "unanswerable": bool}. Corpus (one node / document per chunk, no further splitting,
-in an embedded Chroma with the bundled MiniLM embeddings, behind our KVCachingVectorStore, which
+into chunks], "unanswerable": bool}. Corpus (an item's chunks are one document's sections in
+order: one node per chunk, no further splitting, a document's nodes linked in order as a node
+parser links them — LangChain: metadata "source" — in an embedded Chroma with the bundled MiniLM embeddings, behind our KVCachingVectorStore, which
 stores each chunk's KV blob at ingestion):
 
 - shared (the default): the union of the chunks of all items of the set (all of them, whatever
@@ -100,6 +101,17 @@ def shared_corpus(items: list[dict]) -> list[str]:
     return list(dict.fromkeys(c for it in items for c in it["chunks"]))
 
 
+def corpus_sources(items: list[dict]) -> list[str]:
+    """The document of each chunk of `shared_corpus(items)`: the id of the first item that has
+    it. An item's chunks are one document's sections in order, so they are ingested as that
+    document's consecutive pieces, as a splitter makes them."""
+    first = {}
+    for it in items:
+        for c in it["chunks"]:
+            first.setdefault(c, it["id"])
+    return [first[c] for c in shared_corpus(items)]
+
+
 def gold_retrieved(item: dict, retrieved: list[str]) -> bool | None:
     """Whether one of the item's gold chunks is among the retrieved texts; None without gold."""
     if not item.get("gold"):
@@ -144,16 +156,25 @@ class LlamaIndexPipeline:
         self.query_engine = None
 
     def prepare(self, chunks: list[str], collection: str, k: int,
-                progress: bool = False) -> None:
-        """Ingest `chunks` into a new collection; build the query engine retrieving top `k`."""
+                progress: bool = False, sources: list[str] | None = None) -> None:
+        """Ingest `chunks` into a new collection; build the query engine retrieving top `k`.
+        `sources`: each chunk's document; a document's chunks are consecutive, in order, and
+        linked as a node parser links them (SOURCE, PREVIOUS, NEXT)."""
         from llama_index.core import StorageContext, VectorStoreIndex
-        from llama_index.core.schema import TextNode
+        from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
 
         from turborag_integrations.llama_index import KVCachingVectorStore
 
         self.store = KVCachingVectorStore(self.engine, path=self.path, collection=collection,
                                           show_progress=progress)
         nodes = [TextNode(text=c, id_=f"{collection}-{j}") for j, c in enumerate(chunks)]
+        for j, node in enumerate(nodes if sources else []):
+            node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=sources[j])
+            if j and sources[j - 1] == sources[j]:
+                node.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(
+                    node_id=nodes[j - 1].node_id)
+                nodes[j - 1].relationships[NodeRelationship.NEXT] = RelatedNodeInfo(
+                    node_id=node.node_id)
         index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(
             vector_store=self.store), embed_model=self.embed_model, show_progress=progress)
         self.query_engine = index.as_query_engine(
@@ -194,8 +215,9 @@ class LangChainPipeline:
         return "\n\n".join(d.page_content for d in docs)
 
     def prepare(self, chunks: list[str], collection: str, k: int,
-                progress: bool = False) -> None:
-        """Ingest `chunks` into a new collection; build the chains retrieving top `k`."""
+                progress: bool = False, sources: list[str] | None = None) -> None:
+        """Ingest `chunks` into a new collection; build the chains retrieving top `k`.
+        `sources`: each chunk's document (metadata "source", as loaders set it)."""
         from langchain_core.output_parsers import StrOutputParser
         from langchain_core.runnables import RunnablePassthrough
 
@@ -211,7 +233,8 @@ class LangChainPipeline:
                 engine=self.engine, embedding=self.embeddings, persist_directory=str(self.path),
                 collection_name=collection,
                 progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
-            self.store.add_texts(chunks, ids=[f"{collection}-{j}" for j in range(len(chunks))])
+            self.store.add_texts(chunks, ids=[f"{collection}-{j}" for j in range(len(chunks))],
+                                 metadatas=[{"source": s} for s in sources] if sources else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -419,6 +442,7 @@ def main(argv=None) -> int:
     for n, reason in load_errors:
         print(f"{args.data}:{n}: skipped: {reason}", file=sys.stderr)
     corpus = shared_corpus(items)  # all items of the set, whatever --limit asks
+    sources = corpus_sources(items)
     items = items[:args.limit] if args.limit else items
     if not items:
         print(f"error: no usable items in {args.data}", file=sys.stderr)
@@ -456,13 +480,14 @@ def main(argv=None) -> int:
                     f"into one collection (top-{k} retrieval)")
                 start = time.perf_counter()
                 runner.prepare(corpus, collection="corpus", k=min(k, len(corpus)),
-                               progress=not args.json)
+                               progress=not args.json, sources=sources)
                 log(f"{runner.name}: ingested in {time.perf_counter() - start:.1f}s")
         for i, item in enumerate(items):
             for runner in runners:
                 if k is None:
                     runner.prepare(item["chunks"], collection=f"item{i:05d}",
-                                   k=len(item["chunks"]))
+                                   k=len(item["chunks"]),
+                                   sources=[item["id"]] * len(item["chunks"]))
                 for mode in MODES:
                     try:
                         if i == 0:

@@ -56,9 +56,9 @@ def collections(bench, monkeypatch):
                        (bench.LangChainPipeline, lambda s: s.store.vectorstore.get()["documents"])):
         original = cls.prepare
 
-        def prepare(self, chunks, collection, k, progress=False, _original=original,
-                    _texts=texts):
-            _original(self, chunks, collection, k, progress)
+        def prepare(self, chunks, collection, k, progress=False, sources=None,
+                    _original=original, _texts=texts):
+            _original(self, chunks, collection, k, progress, sources)
             seen.append((self.name, collection, k, sorted(_texts(self))))
         monkeypatch.setattr(cls, "prepare", prepare)
     return seen
@@ -157,6 +157,28 @@ def test_bad_k_is_refused_with_a_clear_message(bench, data, capsys, args, messag
 def test_shared_corpus_is_the_ordered_union_without_duplicates(bench):
     items = [{"chunks": it["chunks"]} for it in ITEMS]
     assert bench.shared_corpus(items) == DISTINCT
+
+
+def test_an_items_chunks_are_one_documents_linked_pieces(bench, tmp_path):
+    """Each chunk's document is its first item's; LlamaIndex links a document's nodes in order
+    (so an engine with context_tokens encodes each after the one before)."""
+    items = [{"id": it["id"], "chunks": it["chunks"]} for it in ITEMS]
+    sources = bench.corpus_sources(items)
+    assert sources == ["ship", "ship", "ship", "bakery", "bakery"]
+    from tests.conftest import tiny_model
+    from turborag_integrations.core.engine import TurboRAGEngine
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=8,
+                            progress=False)
+    runner = bench.LlamaIndexPipeline(engine, tmp_path, max_new_tokens=2)
+    runner.prepare(DISTINCT, collection="corpus", k=2, sources=sources)
+    nodes = {n.get_content(): n for n in runner.store.get_nodes()}
+    assert nodes[SHIP].prev_node.node_id == nodes[KILN].node_id
+    assert nodes[BAKERY].prev_node is None and nodes[OWL].prev_node is not None
+    assert nodes[OWL].ref_doc_id == "bakery"
+    base = engine.encoder.base_position
+    assert engine.blob_for(KILN).base_position == base
+    assert engine.blob_for(FERRY).base_position == base + 8
 
 
 def test_summary_agreement_and_gold_shares(bench):

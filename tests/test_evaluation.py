@@ -110,6 +110,32 @@ def test_encoder_modes_compare_encoders_against_one_full_prefill(tmp_path):
         ModeSpec.parse("turbo#/no/such/file")
 
 
+def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path):
+    """turbo~N runs on a sibling whose blobs are encoded after the item's chunk before (its
+    fingerprint differs); turbo~0 is the training-free engine's own blobs."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None)
+    chunks = ["Tamsin did it in May.", "Orrin did not.", "Nobody else was there."]
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": chunks}))
+    modes = ["naive", "turbo", "turbo~0", "turbo~8"]
+    res = evaluate(engine, load_items(p).items, modes, max_new_tokens=4)
+    by = {r["mode"]: r for r in res["answers"]}
+    assert by["turbo~0"]["reply_kl"] == pytest.approx(by["turbo"]["reply_kl"], abs=1e-9)
+    assert by["turbo~8"]["reply_kl"] != pytest.approx(by["turbo"]["reply_kl"], abs=1e-6)
+    sibling = TurboRAGEngine(engine.loaded, store=engine.store, encoder=None, context_tokens=8)
+    enc = sibling.encoder
+    for before, text in zip([None, *chunks], chunks):
+        blob = sibling.blob_for(text)  # stored by the evaluation, found by its fingerprint
+        assert blob is not None
+        assert blob.base_position == enc.base_position + len(enc.context_ids(before))
+    assert ModeSpec.parse("turbo+boundary:8@chat~64#none").context == 64
+    assert ModeSpec.parse("turbo").context is None
+    for bad in ("turbo~", "turbo~x", "naive~8", "turbo-oracle~8"):
+        with pytest.raises(ValueError):
+            ModeSpec.parse(bad)
+
+
 def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
     a, b = make_items(3, 20), make_items(3, 20)
     assert a == b and make_items(4, 20) != a

@@ -227,7 +227,8 @@ class Workspace:
             if chunks:
                 # Blobs first, then Chroma: a file counts as done only once both are written,
                 # so an interrupted ingestion redoes it (its blobs are found and skipped).
-                self.engine.encode_chunks(chunks, doc_ids=[doc_id] * len(chunks))
+                self.engine.encode_chunks(chunks, doc_ids=[doc_id] * len(chunks),
+                                          contexts=[None, *chunks[:-1]])
                 vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
                 self.collection.add(
                     ids=[f"{digest}-{i}" for i in range(len(chunks))], documents=chunks,

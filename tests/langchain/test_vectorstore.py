@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from tests.conftest import tiny_model
+from tests.langchain.conftest import cached_tiny_engine
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.langchain import (FINGERPRINT, KV_KEY, ChunkRegistry,
                                              FingerprintMismatch, KVCachingVectorStore,
@@ -191,3 +193,30 @@ def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, mini
     b = TurboRAGChatModel(engine=engine, namespace="globex", max_tokens=2)
     assert a.invoke(prompt_for(docs[:2])).response_metadata["turborag"]["cache_hits"] == 2
     assert b.invoke(prompt_for(docs[:2])).response_metadata["turborag"]["reused_tokens"] == 0
+
+
+def test_pieces_of_one_source_are_encoded_after_the_piece_before(minilm, tmp_path):
+    """With `context_tokens`, a text is encoded after the previous text of the same call with
+    the same metadata "source" (a splitter's pieces of one document, in order); a text without
+    a source, or a source's first piece, alone."""
+    from turborag_integrations.langchain.vectorstore import _contexts
+
+    base = cached_tiny_engine(0)
+    engine = TurboRAGEngine(base.loaded, store=str(tmp_path / "kv"), context_tokens=16,
+                            progress=False)
+    texts = ["Velmora sits on a frozen harbour.", "Orbital Kiln fires tiles.",
+             "Its ferry stops in January.", "A note with no source.", "Kiln tiles go to orbit."]
+    metas = [{"source": "velmora.md"}, {"source": "kiln.md"}, {"source": "velmora.md"}, {},
+             {"source": "kiln.md"}]
+    assert _contexts(texts, metas) == [None, None, texts[0], None, texts[1]]
+    assert _contexts(texts, None) == [None] * len(texts)
+    store = make_store(engine, minilm, tmp_path)
+    store.add_texts(texts, metadatas=metas)
+    enc = engine.encoder
+    for text, before in zip(texts, _contexts(texts, metas)):
+        ids = enc.tokenize(text)
+        want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
+        blob = engine.blob_for(text)
+        assert blob.base_position == want.base_position
+        torch.testing.assert_close(blob.values, want.values, atol=1e-5, rtol=0)
+    assert engine.blob_for(texts[2]).base_position > enc.base_position

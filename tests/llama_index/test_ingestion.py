@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from llama_index.core import Document, VectorStoreIndex
+import torch
+from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
-from llama_index.core.schema import MetadataMode, TextNode
+from llama_index.core.schema import MetadataMode, NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
 from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry,
@@ -126,3 +127,55 @@ def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, tmp_
     retrieved = index_b.as_retriever(similarity_top_k=3).retrieve("How high is the lighthouse?")
     assert {n.node.ref_doc_id for n in retrieved} == {"kiln"}
     assert engine.store.keys() == []  # nothing in the default namespace
+
+
+def context_blob(engine, text: str, before: str | None):
+    """The blob `text` gets when encoded after `before` (None: alone)."""
+    enc = engine.encoder
+    ids = enc.tokenize(text)
+    return enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
+
+
+def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
+    """With `context_tokens`, a split document's node is encoded after the node before it (its
+    PREVIOUS relationship), from the same batch or, for a later insert, from the store."""
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from tests.conftest import tiny_model
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=24,
+                            progress=False)
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    text = " ".join(f"Sentence number {i} says the harbour froze in year {1900 + i}."
+                    for i in range(12))
+    index = VectorStoreIndex.from_documents(
+        [Document(text=text, id_="doc")], embed_model=embed_model,
+        storage_context=StorageContext.from_defaults(vector_store=store),
+        transformations=[SentenceSplitter(chunk_size=48, chunk_overlap=0)])
+    nodes = {n.node_id: n for n in store.get_nodes()}
+    assert len(nodes) > 2
+    firsts = 0
+    for node in nodes.values():
+        prev = node.prev_node
+        before = nodes[prev.node_id].get_content() if prev is not None else None
+        firsts += before is None
+        blob = engine.blob_for(llm_text(node))
+        want = context_blob(engine, llm_text(node), before)
+        assert blob.base_position == want.base_position
+        torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
+    assert firsts == 1  # only the document's first node is encoded alone
+    # a node inserted later, whose previous node is already in the store
+    [last] = [n for n in nodes.values() if n.next_node is None]
+    late = TextNode(text="A late addendum: the ice melted in April.", id_="late")
+    late.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=last.node_id)
+    index.insert_nodes([late])
+    blob = engine.blob_for(llm_text(late))
+    assert blob.base_position > engine.encoder.base_position
+    want = context_blob(engine, llm_text(late), last.get_content())
+    torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
+
+
+def test_nodes_are_encoded_alone_without_context_tokens(kv_store, engine, embed_model):
+    assert engine.encoder.context_tokens == 0
+    build_index(kv_store, embed_model)
+    for node in kv_store.get_nodes():
+        assert engine.blob_for(llm_text(node)).base_position == engine.encoder.base_position

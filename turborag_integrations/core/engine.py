@@ -54,7 +54,7 @@ class TurboRAGEngine(ChunkLibrary):
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  adapter: str | Path | None = None, question_last: bool = False,
                  encoder: "str | Path | LearnedEncoding | None" = "default",
-                 namespace: str = "", separators: bool = True):
+                 namespace: str = "", separators: bool = True, context_tokens: int = 0):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -76,6 +76,12 @@ class TurboRAGEngine(ChunkLibrary):
         namespace: the store namespace (a tenant) this engine ingests into and reads from;
         "" (the default) is the single namespace of a store without tenants. One engine serves
         several: `engine.namespaced(name)` (core/store/namespaces.py).
+
+        context_tokens: encode each chunk after up to this many tokens of the text before it
+        in its document (its previous chunk, as ingestion gives it: `encode_chunks(contexts=)`,
+        the vector stores and the Workspace pass it), the context's KV discarded; 0 encodes
+        chunks alone. Offline only: a blob still holds the chunk's own tokens and query time
+        is unchanged. Part of the blobs' fingerprint (core/prefill/chunk_encoder.py).
 
         separators: stitch a stock separator between two chunks ("\n\n") from its stored
         blob, as vLLM's connector must (a claim is a run of stored KV), so that both engines
@@ -130,7 +136,8 @@ class TurboRAGEngine(ChunkLibrary):
         ChunkLibrary.__init__(
             self,
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size,
-                         anchor_ids=anchor_ids(self.anchor, self.tokenizer), learned=self.learned),
+                         anchor_ids=anchor_ids(self.anchor, self.tokenizer), learned=self.learned,
+                         context_tokens=context_tokens),
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size),
             root_store.namespace(namespace))
 

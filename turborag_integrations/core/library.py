@@ -91,8 +91,19 @@ class ChunkLibrary:
         return key
 
     def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                      contexts: Sequence[str | None] | None = None,
                       progress: Callable[[int, int], None] | None = None) -> list[str]:
-        """Encode and store the blobs of `texts` (skipping those already stored); return keys."""
+        """Encode and store the blobs of `texts` (skipping those already stored); return keys.
+
+        contexts: for each text, the text before it in its document (its previous chunk), or
+        None; an engine made with `context_tokens` encodes each chunk after the end of it
+        (core/prefill/chunk_encoder.py), others ignore it. A blob is keyed by its chunk's
+        tokens alone, so that any prompt holding the text finds it: a text stored already keeps
+        its blob, whatever came before it the first time (text repeated across documents is
+        mostly boilerplate, and one blob per text is what a prompt can look up)."""
+        if contexts is not None and len(contexts) != len(texts):
+            raise ValueError(f"{len(contexts)} contexts for {len(texts)} chunks: give one per "
+                             "chunk (None for a document's first)")
         ids = [self.encoder.tokenize(t) for t in texts]
         keys = [self.store.key(self.fingerprint, i) for i in ids]
         first: dict[str, int] = {}  # encode each distinct chunk once
@@ -113,7 +124,9 @@ class ChunkLibrary:
         step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
-            blobs = self.encoder.encode_ids([ids[i] for i in batch])
+            context = None if contexts is None else [
+                self.encoder.context_ids(contexts[i], len(ids[i])) for i in batch]
+            blobs = self.encoder.encode_ids([ids[i] for i in batch], contexts=context)
             for i, blob in zip(batch, blobs):
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
             if progress:

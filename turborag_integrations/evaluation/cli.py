@@ -42,9 +42,13 @@ def eval_command(
     encoder: str = typer.Option("default", help="chunk encoder the blobs are made with: "
                                 "'default' (the one shipped for the model), 'none' (the "
                                 "query-time model itself), or a path"),
+    context_tokens: int = typer.Option(0, min=0, help="encode each chunk after up to this "
+                                       "many tokens of its item's previous chunk (0: alone); a "
+                                       "mode's '~N' overrides it"),
     modes: Optional[str] = typer.Option(
         None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
-                   "(boundary:K, blend:R), ft:MODE; or, on a long-document set, long-context, "
+                   "(boundary:K, blend:R), ft:MODE; a turbo mode may add @ANCHOR, ~N (context "
+                   "tokens) and #ENCODER; or, on a long-document set, long-context, "
                    "rag-only, rapid:η, rapid (η chosen on --dev). Default: "
                    "naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15, or "
                    "long-context,rag-only,rapid:0,rapid on a long-document set"),
@@ -128,7 +132,8 @@ def eval_command(
     try:
         with temporary_store() as base_kv, temporary_store() as ft_kv:
             engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter,
-                                    encoder=_encoder_arg(encoder))
+                                    encoder=_encoder_arg(encoder),
+                                    context_tokens=context_tokens)
             ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False, adapter=None) \
                 if finetuned is not None else None
 
@@ -147,6 +152,7 @@ def eval_command(
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
+    results["context_tokens"] = context_tokens
     results["system"] = system
     if finetuned is not None:
         results["finetuned"] = str(finetuned)

@@ -120,6 +120,7 @@ class ModeSpec:
     recovery: str | None
     anchor: str | None = None  # None: the engine's own
     encoder: str | None = None  # None: the engine's own; "none" or an encoder file otherwise
+    context: int | None = None  # context tokens chunks are encoded after; None: the engine's own
     # references: "rotated" (a full prefill of the prompt with its chunks in another order) and
     # "oracle" (the stitched path fed slices of the full prefill's own cache)
     reference: str | None = None
@@ -139,12 +140,16 @@ class ModeSpec:
         if encoder and encoder != "none" and not Path(encoder).is_file():
             raise ValueError(f"mode {name!r}: the encoder after '#' must be 'none' or an "
                              f"encoder file; {encoder!r} is neither")
+        body, tilde, context = body.partition("~")
+        if tilde and not context.isdigit():
+            raise ValueError(f"mode {name!r}: after '~' give the context tokens chunks are "
+                             f"encoded after, a whole number (0: none), not {context!r}")
         body, _, anchor = body.partition("@")
         if anchor and anchor not in ANCHOR_MODES:
             raise ValueError(f"unknown anchor in mode {name!r}: use one of {ANCHOR_MODES}")
         base, _, rec = body.partition("+")
         if base in REFERENCE_MODES:
-            if rec or anchor or encoder or ft:
+            if rec or anchor or encoder or ft or tilde:
                 raise ValueError(f"mode {name!r}: the reference modes {REFERENCE_MODES} take "
                                  "no recovery, anchor, encoder or 'ft:'")
             return cls(base, False, REFERENCE_MODES[base], "reordered", None,
@@ -152,13 +157,13 @@ class ModeSpec:
         if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
             raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
                              "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
-        if base == "naive" and (rec or anchor or encoder):
-            raise ValueError(f"mode {name!r}: recovery, anchors and encoders apply to turbo "
-                             "modes only (a full prefill uses no blob)")
+        if base == "naive" and (rec or anchor or encoder or tilde):
+            raise ValueError(f"mode {name!r}: recovery, anchors, contexts and encoders apply "
+                             "to turbo modes only (a full prefill uses no blob)")
         parse_recovery(rec or None)  # validate early
         return cls(name.strip(), ft, "naive" if base == "naive" else "turbo",
                    "composite" if base == "turbo-composite" else "reordered", rec or None,
-                   anchor or None, encoder or None)
+                   anchor or None, encoder or None, int(context) if tilde else None)
 
 
 ANCHOR_MODES = ("none", "bos", "chat", "head")
@@ -189,12 +194,15 @@ def oracle_segments(engine, prompt: str, chunks: Sequence[str]) -> list:
     return out
 
 
-def _sibling(engine, anchor: str | None, encoder: str | None, head: str):
-    """The engine itself, or a sibling on the same model and store with another chunk anchor or
-    chunk encoder (one model in memory, one full-prefill reference for all of them)."""
+def _sibling(engine, anchor: str | None, encoder: str | None, head: str,
+             context: int | None = None):
+    """The engine itself, or a sibling on the same model and store with another chunk anchor,
+    chunk encoder or context (one model in memory, one full-prefill reference for all)."""
     spec = engine.anchor if anchor is None else head if anchor == "head" else anchor
-    if encoder is None and (spec == engine.anchor
-                            or (anchor == "head" and engine.anchor_text == head)):
+    own_context = engine.encoder.context_tokens
+    context = own_context if context is None else context
+    if encoder is None and context == own_context and (
+            spec == engine.anchor or (anchor == "head" and engine.anchor_text == head)):
         return engine
     from ..core.engine import TurboRAGEngine
 
@@ -208,7 +216,8 @@ def _sibling(engine, anchor: str | None, encoder: str | None, head: str):
         learned = getattr(engine, "learned", None)
         chosen = learned if learned is not None and learned.anchor == spec else None
     return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec, adapter=None, encoder=chosen)
+                          progress=False, anchor=spec, adapter=None, encoder=chosen,
+                          context_tokens=context)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -255,14 +264,21 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 continue
             table[it.id] = (prompt, texts)
         prepared[ft] = table
-        chunks = sorted({c for p in table.values() for c in p[1]})
+        # each chunk with the text before it in its item's document (the item's chunks are one
+        # document's, in order); a chunk in several items keeps its first context, as ingestion
+        # keeps the first blob of a text
+        before: dict[str, str | None] = {}
+        for _, texts in table.values():
+            for prev, text in zip([None, *texts], texts):
+                before.setdefault(text, prev)
+        chunks = sorted(before)
         head = prompt_head(eng.tokenizer, system)
         siblings: dict = {}
         for spec in specs:
             if spec.finetuned == ft:
-                key = (spec.anchor, spec.encoder)
+                key = (spec.anchor, spec.encoder, spec.context)
                 engines[spec] = siblings.get(key) or siblings.setdefault(
-                    key, _sibling(eng, spec.anchor, spec.encoder, head))
+                    key, _sibling(eng, spec.anchor, spec.encoder, head, spec.context))
         served: dict[int, tuple] = {}  # id(engine) -> (engine, the turbo modes on its blobs)
         for s in specs:
             if s.finetuned == ft and s.mode == "turbo":
@@ -270,7 +286,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
         for e, names in served.values():
             if chunks:  # ingestion: not part of TTFT; minutes for a larger model
                 label = f"encoding chunks for {', '.join(names)}"
-                e.encode_chunks(chunks, progress=(
+                e.encode_chunks(chunks, contexts=[before[c] for c in chunks], progress=(
                     (lambda done, total, label=label: progress(label, done, total))
                     if progress else None))
         eng.warmup()

@@ -63,6 +63,24 @@ def _chroma(embedding: Embeddings | None, persist_directory: str | None,
                   client=chroma_client, **kwargs)
 
 
+
+def _contexts(texts: Sequence[str], metadatas: list[dict] | None) -> list[str | None]:
+    """The text before each one in its document, for an engine that encodes chunks after it
+    (`context_tokens`): the previous text of the same call with the same metadata "source"
+    (loaders set it, and a text splitter's `split_documents` keeps a document's pieces in order
+    with its metadata); None for a document's first piece or a text without a source."""
+    last: dict[str, str] = {}
+    out: list[str | None] = []
+    for i, text in enumerate(texts):
+        source = (metadatas[i] or {}).get("source") if metadatas else None
+        if source is None or not isinstance(source, (str, int)):
+            out.append(None)
+            continue
+        out.append(last.get(str(source)))
+        if text and text.strip():
+            last[str(source)] = text
+    return out
+
 class KVCachingVectorStore(VectorStore):
     """Wraps `vectorstore` (default: embedded Chroma over the bundled MiniLM embeddings).
 
@@ -161,7 +179,7 @@ class KVCachingVectorStore(VectorStore):
         # Blobs are reference-counted by document id, so every document needs one now.
         doc_ids = [i or str(uuid.uuid4()) for i in (ids or [None] * len(texts))]
         self._forget_replaced(doc_ids, texts)
-        keys = self._encode(texts, doc_ids)
+        keys = self._encode(texts, doc_ids, _contexts(texts, metadatas))
         fp = self.engine.fingerprint
         stamped = []
         for i, key in enumerate(keys):
@@ -174,12 +192,14 @@ class KVCachingVectorStore(VectorStore):
             self.registry.add(text, fp.id, fp.describe())
         return added
 
-    def _encode(self, texts: Sequence[str], doc_ids: Sequence[str]) -> list[str | None]:
+    def _encode(self, texts: Sequence[str], doc_ids: Sequence[str],
+                contexts: Sequence[str | None]) -> list[str | None]:
         todo = [i for i, t in enumerate(texts) if t and t.strip()]
         keys: list[str | None] = [None] * len(texts)
         if todo:
             encoded = self.engine.encode_chunks([texts[i] for i in todo],
                                                 doc_ids=[doc_ids[i] for i in todo],
+                                                contexts=[contexts[i] for i in todo],
                                                 progress=self.progress)
             for i, key in zip(todo, encoded):
                 keys[i] = key

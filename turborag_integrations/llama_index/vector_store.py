@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.schema import BaseNode
+from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilters,
                                                   VectorStoreQuery, VectorStoreQueryResult)
 
@@ -142,6 +142,7 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
         try:
             stored = self._engine.encode_chunks([t for _, _, t in todo],
                                                 doc_ids=[n.ref_doc_id for _, n, _ in todo],
+                                                contexts=self._contexts(nodes, todo),
                                                 progress=progress)
         finally:
             if bar is not None:
@@ -151,6 +152,27 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
             keys[i] = key
         self._register([text for _, _, text in todo])
         return keys
+
+    def _contexts(self, nodes: Sequence[BaseNode],
+                  todo: list[tuple[int, BaseNode, str]]) -> Optional[List[Optional[str]]]:
+        """The text before each node in its document, for an engine that encodes chunks after
+        it (`context_tokens`): its PREVIOUS node's text (node parsers link a document's nodes
+        in order), from this batch or else from the wrapped store; None where there is none."""
+        encoder = getattr(self._engine, "encoder", None)
+        if not getattr(encoder, "context_tokens", 0):
+            return None
+        texts = {n.node_id: n.get_content(metadata_mode=MetadataMode.NONE) for n in nodes}
+        prev_ids = [getattr(n.prev_node, "node_id", None) for _, n, _ in todo]
+        missing = [i for i in dict.fromkeys(prev_ids) if i is not None and i not in texts]
+        if missing:
+            try:
+                found = self._inner.get_nodes(missing)
+            except Exception as exc:  # a store that cannot look nodes up: no context there
+                log.debug("previous nodes not found in the wrapped store: %s", exc)
+                found = []
+            texts.update((n.node_id, n.get_content(metadata_mode=MetadataMode.NONE))
+                         for n in found)
+        return [texts.get(i) if i is not None else None for i in prev_ids]
 
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> List[str]:
         self.encode_nodes(nodes)

@@ -38,6 +38,7 @@ class ModelSetup:
         self._unusable = ""
         self._lock = threading.Lock()
         self.anchor = extra.get("anchor", DEFAULT_ANCHOR)
+        self.context_tokens = extra.get("context_tokens", 0)
         folder = Path(model)
         if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
             self._adopt(self._load())  # a hub id or another format: fingerprint the model
@@ -51,7 +52,8 @@ class ModelSetup:
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor or "none")
         self.anchor_ids = anchor_ids(self.anchor, self.tokenizer)
-        self.chunk_fp = model_fp.with_encoding(chunk_encoding(self.anchor_ids, self.learned))
+        self.chunk_fp = model_fp.with_encoding(
+            chunk_encoding(self.anchor_ids, self.learned, self.context_tokens))
         self.prefix_fp = model_fp.with_encoding(PLAIN)
         window = int(config.max_position_embeddings)
         soft = self.learned.num_soft if self.learned is not None else 0
@@ -64,7 +66,8 @@ class ModelSetup:
                  self._model, self._dtype)
         return TurboRAGEngine(self._model, dtype=self._dtype, store=self._store,
                               encoder=self._extra.get("encoder", "default"),
-                              anchor=self.anchor, progress=False)
+                              anchor=self.anchor, context_tokens=self.context_tokens,
+                              progress=False)
 
     def _adopt(self, engine) -> None:
         self._engine = engine

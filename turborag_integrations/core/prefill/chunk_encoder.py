@@ -6,6 +6,14 @@ chunk sits mid-prompt. Encoding it after a fixed anchor text (for example a gene
 head) and keeping only the chunk's own keys and values — positions a..a+n−1, a = anchor length —
 gives the chunk the mid-sequence statistics it will have at query time. The anchor's KV is
 discarded; `KVBlob.base_position` records a, so re-rotation moves the keys by (target − a).
+
+Context encoding (`context_tokens` > 0): a chunk alone does not know what its document said
+before it — whose policy, which release, what product a figure belongs to — and a full prefill
+of a prompt reads that from the text before the chunk. At ingestion the document is known, so
+each chunk is encoded after the anchor and then the last `context_tokens` tokens of the text
+before it in its document (its previous chunk, joined as prompts join chunks, by a blank line).
+The context's KV is discarded like the anchor's: the blob still holds exactly the chunk's own
+tokens, its `base_position` counts the anchor and the context, and query time is unchanged.
 """
 
 from __future__ import annotations
@@ -31,11 +39,17 @@ def anchor_encoding(anchor_ids: Sequence[int]) -> str:
     return f"anchor:{len(anchor_ids)}:{_digest(ids, size=8)}"
 
 
-def chunk_encoding(anchor_ids: Sequence[int], learned=None) -> str:
+def chunk_encoding(anchor_ids: Sequence[int], learned=None, context_tokens: int = 0) -> str:
     """The fingerprint encoding of chunk blobs made after `anchor_ids` with the learned
-    parameters `learned` (a prefill.encoding.LearnedEncoding, or None: training-free)."""
+    parameters `learned` (a prefill.encoding.LearnedEncoding, or None: training-free), each
+    after up to `context_tokens` tokens of its document's text before it (0: none)."""
     encoding = anchor_encoding(anchor_ids)
-    return f"{encoding}+{learned.tag}" if learned is not None else encoding
+    if learned is not None:
+        encoding = f"{encoding}+{learned.tag}"
+    return f"{encoding}+context:{context_tokens}" if context_tokens else encoding
+
+
+CONTEXT_JOIN = "\n\n"  # how prompts join chunks (LlamaIndex, LangChain's format_docs, ours)
 
 
 def chunk_token_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
@@ -65,14 +79,20 @@ class ChunkEncoder:
 
     def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
                  max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = (),
-                 learned=None):
+                 learned=None, context_tokens: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.anchor_ids = list(anchor_ids)
         # learned: a prefill.encoding.LearnedEncoding (soft tokens after the anchor, an
         # encode-only LoRA), or None for the training-free encoding
         self.learned = learned
-        self.fingerprint = fingerprint.with_encoding(chunk_encoding(self.anchor_ids, learned))
+        if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) \
+                or context_tokens < 0:
+            raise ValueError(f"context_tokens must be a whole number ≥ 0 (0: no context), not "
+                             f"{context_tokens!r}")
+        self.context_tokens = context_tokens
+        self.fingerprint = fingerprint.with_encoding(
+            chunk_encoding(self.anchor_ids, learned, context_tokens))
         self.batch_size = batch_size
         self.max_chunk_tokens = (max_chunk_tokens or int(model.config.max_position_embeddings)) \
             - self.base_position
@@ -83,35 +103,54 @@ class ChunkEncoder:
 
     @property
     def base_position(self) -> int:
-        """Where a chunk's first token is encoded: after the anchor and the soft tokens."""
+        """Where a chunk without context has its first token: after the anchor and the soft
+        tokens (a context adds its length; each blob records its own)."""
         return len(self.anchor_ids) + self.num_soft
 
     def tokenize(self, text: str) -> list[int]:
         return chunk_token_ids(self.tokenizer, text, self.max_chunk_tokens)
 
+    def context_ids(self, text: str | None, chunk_len: int = 0) -> list[int]:
+        """The context a chunk is encoded after: the last `context_tokens` tokens of `text` (the
+        text before the chunk in its document) and the blank line that joins chunks; fewer when
+        the window leaves less room beside a chunk of `chunk_len` tokens; [] without one."""
+        if not self.context_tokens or not text or not text.strip():
+            return []
+        ids = self.tokenizer(text.rstrip() + CONTEXT_JOIN, add_special_tokens=False)["input_ids"]
+        room = min(self.context_tokens, self.max_chunk_tokens - chunk_len)
+        return ids[-room:] if room > 0 else []
+
     def encode(self, text: str) -> KVBlob:
         return self.encode_many([text])[0]
 
     def encode_ids(self, ids_list: Sequence[Sequence[int]],
-                   progress: ProgressFn | None = None) -> list[KVBlob]:
-        """Encode token-id chunks. Right padding keeps every real token at its own position
-        (after the anchor, if any), and causal attention means no real token ever sees a pad."""
-        order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))  # less padding
+                   progress: ProgressFn | None = None,
+                   contexts: Sequence[Sequence[int]] | None = None) -> list[KVBlob]:
+        """Encode token-id chunks, each after the anchor and its context's ids (`contexts`,
+        from `context_ids`; none by default). Right padding keeps every real token at its own
+        position, and causal attention means no real token ever sees a pad."""
+        if contexts is None:
+            contexts = [()] * len(ids_list)
+        if len(contexts) != len(ids_list):
+            raise ValueError(f"{len(contexts)} contexts for {len(ids_list)} chunks: give one "
+                             "per chunk (empty for none)")
+        heads = [len(self.anchor_ids) + len(c) + self.num_soft for c in contexts]
+        order = sorted(range(len(ids_list)), key=lambda i: heads[i] + len(ids_list[i]))
         blobs: list[KVBlob | None] = [None] * len(ids_list)
         device = next(self.model.parameters()).device
         pad_id = self.tokenizer.pad_token_id
         pad_id = 0 if pad_id is None else pad_id
-        a = self.base_position
-        # the soft tokens' slots hold a placeholder id until their embeddings replace it
-        head = self.anchor_ids + [pad_id] * self.num_soft
         done = 0
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
-            lengths = [a + len(ids_list[i]) for i in batch]
+            lengths = [heads[i] + len(ids_list[i]) for i in batch]
             width = max(lengths)
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
+                # the soft tokens (right before the chunk, where they were trained) hold a
+                # placeholder id until their embeddings replace it
+                head = self.anchor_ids + list(contexts[i]) + [pad_id] * self.num_soft
                 input_ids[row, :lengths[row]] = torch.as_tensor(head + list(ids_list[i]))
                 mask[row, :lengths[row]] = 1
             input_ids, mask = input_ids.to(device), mask.to(device)
@@ -120,7 +159,8 @@ class ChunkEncoder:
                     out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True,
                                      logits_to_keep=1)
                 else:
-                    soft_at = torch.full((len(batch),), len(self.anchor_ids), dtype=torch.long)
+                    soft_at = torch.as_tensor([heads[i] - self.num_soft for i in batch],
+                                              dtype=torch.long)
                     embeds = self.learned.embed(self.model, input_ids, soft_at)
                     with self.learned.active(self.model):
                         out = self.model(inputs_embeds=embeds, attention_mask=mask,
@@ -129,7 +169,7 @@ class ChunkEncoder:
             keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
             values = torch.stack([layer.values for layer in cache.layers], dim=1)
             for row, i in enumerate(batch):
-                n = lengths[row]
+                n, a = lengths[row], heads[i]
                 blobs[i] = KVBlob(
                     token_ids=torch.as_tensor(ids_list[i], dtype=torch.long),
                     keys=keys[row, :, :, a:n].contiguous().cpu(),
@@ -142,5 +182,10 @@ class ChunkEncoder:
                 progress(done, len(ids_list))
         return blobs  # type: ignore[return-value]
 
-    def encode_many(self, texts: Iterable[str], progress: ProgressFn | None = None) -> list[KVBlob]:
-        return self.encode_ids([self.tokenize(t) for t in texts], progress=progress)
+    def encode_many(self, texts: Iterable[str], progress: ProgressFn | None = None,
+                    contexts: Sequence[str | None] | None = None) -> list[KVBlob]:
+        """Encode chunk texts; `contexts`: the text before each in its document (or None)."""
+        ids = [self.tokenize(t) for t in texts]
+        ctx = None if contexts is None else [
+            self.context_ids(c, len(i)) for c, i in zip(contexts, ids, strict=True)]
+        return self.encode_ids(ids, progress=progress, contexts=ctx)

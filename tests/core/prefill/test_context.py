@@ -1,0 +1,115 @@
+"""Context encoding (core/prefill/chunk_encoder.py, `context_tokens`): a chunk encoded after the
+text before it in its document keeps exactly its own tokens' KV, computed as a causal forward
+over anchor + context + chunk computes it; the context is part of the fingerprint; a prompt
+whose chunks follow the very text they were encoded after stitches to the full prefill."""
+
+import pytest
+import torch
+
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.transformers_api import output_cache
+
+DOC = ["Alice was born in Paris in 1901.", "She moved to Lyon in 1925 and opened a bakery.",
+       "It sold rye bread and almond cakes.", "The bakery closed in 1960."]
+
+
+def causal_kv(loaded, ids: list[int]):
+    """Keys and values [L, H, T, D] of one causal forward over `ids`."""
+    with torch.inference_mode():
+        out = loaded.model(input_ids=torch.tensor([ids]), use_cache=True)
+    cache = output_cache(out)
+    return (torch.stack([layer.keys[0] for layer in cache.layers]),
+            torch.stack([layer.values[0] for layer in cache.layers]))
+
+
+def test_blob_is_the_chunk_slice_of_a_causal_forward_after_anchor_and_context(tiny, tmp_path):
+    """Invariant 7's encoding, exactly: every blob of a batch with contexts of different lengths
+    (and none) equals the chunk's slice of its own forward over anchor + context + chunk, and
+    records where that slice starts."""
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", context_tokens=12, progress=False)
+    enc = engine.encoder
+    engine.encode_chunks(DOC, contexts=[None, *DOC[:-1]])
+    for before, text in zip([None, *DOC[:-1]], DOC):
+        blob = engine.blob_for(text)
+        ctx = enc.context_ids(before, len(enc.tokenize(text)))
+        assert len(ctx) == (0 if before is None else 12)
+        head = enc.anchor_ids + ctx
+        assert blob.base_position == len(head)
+        keys, values = causal_kv(tiny, head + enc.tokenize(text))
+        torch.testing.assert_close(blob.keys, keys[:, :, len(head):], atol=1e-5, rtol=0)
+        torch.testing.assert_close(blob.values, values[:, :, len(head):], atol=1e-5, rtol=0)
+    # and the context matters: the second chunk alone has other values
+    alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", progress=False).encoder.encode(DOC[1])
+    assert (alone.values - engine.blob_for(DOC[1]).values).abs().max() > 1e-3
+
+
+def test_context_is_the_end_of_the_text_before_and_the_join(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=10, progress=False)
+    tok, enc = engine.tokenizer, engine.encoder
+    ids = enc.context_ids(DOC[0] + "  \n")  # trailing whitespace gives way to the join
+    assert tok.decode(ids) == (DOC[0] + "\n\n")[-10:]  # byte tokenizer: a token per byte
+    assert enc.context_ids(None) == enc.context_ids("  \n") == []
+    # the window bounds anchor + context + chunk: a long chunk leaves less room for context
+    room = enc.max_chunk_tokens - 5
+    assert len(enc.context_ids(DOC[0] * 3, chunk_len=room)) == 5
+    assert enc.context_ids(DOC[0], chunk_len=enc.max_chunk_tokens) == []
+
+
+def test_context_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
+    """Blobs made with a context are never used by an engine that encodes otherwise."""
+    store = tmp_path / "kv"
+    with_ctx = TurboRAGEngine(tiny_llama, store=store, context_tokens=64, progress=False)
+    other = TurboRAGEngine(tiny_llama, store=store, context_tokens=32, progress=False)
+    alone = TurboRAGEngine(tiny_llama, store=store, progress=False)
+    assert with_ctx.fingerprint.encoding.endswith("+context:64")
+    assert "context" not in alone.fingerprint.encoding
+    assert len({e.fingerprint.id for e in (with_ctx, other, alone)}) == 3
+    with_ctx.encode_chunks(DOC[:2], contexts=[None, DOC[0]])
+    assert with_ctx.blob_for(DOC[1]) is not None
+    assert other.blob_for(DOC[1]) is None and alone.blob_for(DOC[1]) is None
+    # a chunk stored already keeps its blob, whatever came before it this time
+    before = with_ctx.blob_for(DOC[1]).keys.clone()
+    with_ctx.encode_chunks([DOC[1]], contexts=[DOC[3]])
+    assert torch.equal(with_ctx.blob_for(DOC[1]).keys, before)
+
+
+def test_chunks_after_their_own_context_stitch_to_the_full_prefill(tiny, tmp_path):
+    """A prompt that is the document itself, chunk after chunk, with everything before each
+    chunk as its context: every stitched token's KV is the causal one, so the stitched reply is
+    the full prefill's token for token, where chunks encoded alone give other logits."""
+    prompt = "\n\n".join(DOC) + "\nQ: where did Alice open a bakery?\nA:"
+    config = GenerationConfig(max_new_tokens=16)
+    contexts = [None] + ["\n\n".join(DOC[:i]) for i in range(1, len(DOC))]
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", anchor="none", separators=False,
+                            context_tokens=10_000, progress=False)
+    engine.encode_chunks(DOC, contexts=contexts)
+    turbo = engine.generate(prompt, chunks=DOC, config=config)
+    naive = engine.generate(prompt, chunks=DOC, config=config, mode="naive")
+    assert turbo.stats.cache_hits == len(DOC)
+    assert turbo.token_ids == naive.token_ids and turbo.token_ids
+    segments, _, _ = engine.segments(prompt, DOC)
+    pre = engine.prefill(segments, reserve=1)
+    alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", anchor="none", separators=False,
+                           progress=False)
+    alone.encode_chunks(DOC)
+    pre0 = alone.prefill(alone.segments(prompt, DOC)[0], reserve=1)
+    with torch.inference_mode():
+        full = tiny.model(input_ids=torch.tensor([tiny.tokenizer(
+            prompt, add_special_tokens=False)["input_ids"]])).logits[0, -1]
+    torch.testing.assert_close(pre.logits.reshape(-1), full, atol=1e-4, rtol=0)
+    assert (pre0.logits.reshape(-1) - full).abs().max() > 1e-3
+    engine.cache_pool.release(pre.cache)
+    alone.cache_pool.release(pre0.cache)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "64"])
+def test_bad_context_tokens_are_refused(tiny_llama, tmp_path, bad):
+    with pytest.raises(ValueError, match="context_tokens"):
+        TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=bad, progress=False)
+
+
+def test_contexts_must_pair_with_chunks(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=8, progress=False)
+    with pytest.raises(ValueError, match="2 contexts for 3 chunks"):
+        engine.encode_chunks(DOC[:3], contexts=[None, DOC[0]])

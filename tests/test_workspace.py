@@ -1,0 +1,28 @@
+"""The Workspace's ingestion: a file's chunks, in order, each encoded after the one before."""
+
+import torch
+
+from tests.conftest import tiny_model, write_docs
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.workspace import Workspace
+
+
+def test_a_files_chunks_are_encoded_after_the_chunk_before(tmp_path):
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=16,
+                            progress=False)
+    text = " ".join(f"Line {i}: the harbour froze in {1900 + i}." for i in range(20))
+    docs = write_docs(tmp_path / "docs", {"harbour.md": text})
+    workspace = Workspace(tmp_path / "ws", chunk_tokens=48, engine=engine)
+    workspace.ingest([docs])
+    found = workspace.collection.get(include=["documents", "metadatas"])
+    chunks = [d for _, d in sorted(zip((m["index"] for m in found["metadatas"]),
+                                       found["documents"]))]
+    assert len(chunks) > 2
+    enc = engine.encoder
+    for before, chunk in zip([None, *chunks[:-1]], chunks):
+        ids = enc.tokenize(chunk)
+        want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
+        blob = engine.blob_for(chunk)
+        assert blob.base_position == want.base_position
+        assert blob.base_position > enc.base_position or before is None
+        torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
