@@ -397,6 +397,9 @@ def vllm(
                                              "if not vLLM's (float32 blobs serve a bfloat16 "
                                              "vLLM, cast as they are written)"),
     max_model_len: Optional[int] = typer.Option(None),
+    context_tokens: Optional[int] = typer.Option(
+        None, min=0, help="the context tokens the blobs were encoded after, as the ingesting "
+                          "engine's context_tokens (default: TurboRAGEngine's)"),
     eager: bool = typer.Option(True, help="--enforce-eager (CPU: no graph compilation)"),
     python: Optional[Path] = typer.Option(None, help="python of vLLM's venv (default "
                                           "$TURBORAG_VLLM_PYTHON or ./.venv-vllm/bin/python)"),
@@ -437,7 +440,8 @@ def vllm(
             _fail(f"{model}: not a bundled model name nor a model folder with a config.json")
     config = kv_transfer_config(store or str(default_store_path()), encoder=encoder,
                                 store_dir=str(store_dir) if store_dir else None,
-                                blob_dtype=blob_dtype, ingest=ingest)
+                                blob_dtype=blob_dtype, ingest=ingest,
+                                context_tokens=context_tokens)
     argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
                        max_model_len=max_model_len, served_name=served, enforce_eager=eager,
                        extra=ctx.args)

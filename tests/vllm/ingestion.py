@@ -3,7 +3,8 @@ kv_both), against ChunkEncoder's.
 
     .venv-vllm/bin/python tests/vllm/ingestion.py MODEL_DIR OUT.json
 
-One vLLM (float32, encoder none, the chat anchor) ingests the chunks; the HF engine encodes the
+One vLLM (float32, encoder none, the chat anchor, 32 context tokens) ingests the chunks, one
+of them after its context; the HF engine encodes the
 same chunks with ChunkEncoder into another store; both stores' blobs and the answers stitched
 from them are compared. Writes one JSON object; tests/vllm/test_vllm_ingestion.py asserts on it.
 """
@@ -39,6 +40,10 @@ LONG = (
     "of forty kilometres, and the old lock-keeper's cottage at the top of the flight houses a "
     "small museum of canal life, open on weekends from April to October.\n")
 BATCH_TOKENS = 128
+# the connector and the HF engine encode chunks after up to this many tokens of the text before
+# them; AFTER is ingested after CHUNKS[0], the other chunks with no context
+CONTEXT_TOKENS = 32
+AFTER = "After the bridge opened, tolls were collected at its east end until 1902.\n"
 
 
 def main(model_dir: str, out_path: str) -> None:
@@ -46,6 +51,7 @@ def main(model_dir: str, out_path: str) -> None:
     from turborag_integrations.core.prefill.stitch import plan_prompt
     from turborag_integrations.core.settings import GenerationConfig
     from turborag_integrations.core.store import KVStore
+    from turborag_integrations.core.prefill.chunk_encoder import context_token_ids
     from turborag_integrations.vllm.ingest import chunk_prompt, ingest_params
 
     from offline import connector
@@ -62,7 +68,8 @@ def main(model_dir: str, out_path: str) -> None:
             results[f"{name}_refused"] = str(exc)
 
     vllm_store, hf_store = tempfile.mkdtemp(prefix="vllm-made-"), tempfile.mkdtemp(prefix="hf-")
-    engine = TurboRAGEngine(model_dir, store=hf_store, encoder=None, progress=False)
+    engine = TurboRAGEngine(model_dir, store=hf_store, encoder=None, progress=False,
+                            context_tokens=CONTEXT_TOKENS)
     texts = CHUNKS + [LONG]
     prompts = [chunk_prompt(engine.tokenizer, t) for t in texts]
 
@@ -73,7 +80,8 @@ def main(model_dir: str, out_path: str) -> None:
         kv_connector="TurboRAGConnector",
         kv_connector_module_path="turborag_integrations.vllm.connector",
         kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"store": vllm_store, "encoder": "none", "refresh_s": 0})
+        kv_connector_extra_config={"store": vllm_store, "encoder": "none", "refresh_s": 0,
+                                   "context_tokens": CONTEXT_TOKENS})
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, kv_transfer_config=ktc,
               max_model_len=2048, max_num_batched_tokens=BATCH_TOKENS, seed=0)
 
@@ -95,13 +103,19 @@ def main(model_dir: str, out_path: str) -> None:
     results["tenant"] = first[len(texts)]
     results["no_anchor"] = first[len(texts) + 1]
     results["again"] = ingest([(prompts[1], ingest_params())])[0]
+    context = context_token_ids(engine.tokenizer, CHUNKS[0], CONTEXT_TOKENS)
+    results["context_len"] = len(context)
+    results["context_ingested"] = ingest([(
+        engine.encoder.anchor_ids + context + engine.encoder.tokenize(AFTER),
+        ingest_params(context_len=len(context)))])[0]
 
     # the HF engine's ChunkEncoder, same model, dtype and encoding, into its own store
     hf_keys = engine.encode_chunks(texts)
+    hf_keys += engine.encode_chunks([AFTER], contexts=[CHUNKS[0]])
     made = KVStore(vllm_store, remote_url="", memory_bytes=0)
     fp = engine.fingerprint
     compare = []
-    for text, key in zip(texts, hf_keys):
+    for text, key in zip(texts + [AFTER], hf_keys):
         ours, theirs = made.get(key, fp), engine.store.get(key, fp)
         same = ours is not None
         compare.append({
@@ -115,19 +129,22 @@ def main(model_dir: str, out_path: str) -> None:
             "values_max_abs": float((ours.values - theirs.values).abs().max()) if same else None,
             "keys_scale": float(theirs.keys.abs().max()),
             "values_scale": float(theirs.values.abs().max())})
-    results["compare"] = compare
+    results["compare"] = compare[:len(texts)]
+    results["context_compare"] = compare[len(texts)]
     # what a wrong encoding would differ by: the first chunk's values encoded with no anchor
     [plain] = engine.prefix_encoder.encode_ids([engine.encoder.tokenize(texts[0])])
     results["values_max_abs_without_anchor"] = float(
         (plain.values - engine.store.get(hf_keys[0], fp).values).abs().max())
-    results["hf_keys"] = hf_keys
+    results["hf_keys"] = hf_keys[:len(texts)]
+    results["context_hf_key"] = hf_keys[-1]
+    results["anchor_len"] = anchor
     results["tenant_hf_key"] = engine.namespaced("acme").chunk_key(texts[0])
     results["tenant_stored"] = made.namespace("acme").contains(results["tenant_hf_key"])
     results["tenant_doc_keys"] = made.namespace("acme").disk.keys_of_doc("doc-1")
 
     # the long chunk again, its blob deleted: vLLM's prefix cache holds its first full blocks,
     # which the worker reads back like computed ones
-    long_key = hf_keys[-1]
+    long_key = hf_keys[len(texts) - 1]
     before = made.get(long_key, fp)
     made.delete(long_key)
     again = ingest([(prompts[-1], ingest_params())])[0]
@@ -140,7 +157,8 @@ def main(model_dir: str, out_path: str) -> None:
 
     # answers stitched from either store's blobs: the HF engine's turbo mode, and vLLM's
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False)
+    from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False,
+                               context_tokens=CONTEXT_TOKENS)
     answers = {}
     for name, chunks, q in (("three", CHUNKS[:3], "Who completed the Varnholt bridge, and when?"),
                             ("long", [LONG, CHUNKS[3]], "When did the canal reopen?")):

@@ -135,3 +135,54 @@ def test_the_client_raises_when_no_server_answers(encoder):
         ingest([TEXT], url=f"http://127.0.0.1:{port}/v1", model="m", tokenizer=encoder.tokenizer)
     with pytest.raises(EmptyChunkError):  # before anything is sent
         ingest([TEXT, ""], url=f"http://127.0.0.1:{port}", model="m", tokenizer=encoder.tokenizer)
+
+
+def test_a_chunk_after_its_context_is_planned_as_chunk_encoder_encodes_it(encoder):
+    """With the connector's context_tokens, the prompt is anchor + context + chunk; the plan
+    drops anchor and context, and its base_position is the blob ChunkEncoder makes."""
+    from turborag_integrations.core.prefill.chunk_encoder import context_token_ids
+
+    before = "The ferry Aldine was built in Cardiff in 1901 for the island service."
+    context = context_token_ids(encoder.tokenizer, before, 16)
+    assert len(context) == 16
+    prompt = encoder.anchor_ids + context + encoder.tokenize(TEXT)
+    plan = plan_ingest(ingest_params(context_len=16), prompt, encoder.anchor_ids,
+                       max_chunk_tokens=encoder.max_chunk_tokens, context_tokens=32)
+    assert plan.chunk_ids == tuple(encoder.tokenize(TEXT))
+    assert plan.anchor_len == len(encoder.anchor_ids) + 16
+    ctx_encoder = ChunkEncoder(encoder.model, encoder.tokenizer, encoder.fingerprint,
+                               anchor_ids=encoder.anchor_ids, context_tokens=16)
+    assert ctx_encoder.context_ids(before) == context
+    [blob] = ctx_encoder.encode_many([TEXT], contexts=[before])
+    assert blob.base_position == plan.anchor_len
+    for params, context_tokens, message in (
+            (ingest_params(context_len=16), 8, "at most 8 context tokens"),
+            (ingest_params(context_len=16), 0, "at most 0 context tokens"),
+            ({"turborag_ingest": True, "turborag_context_len": -1}, 32, "whole number"),
+            ({"turborag_ingest": True, "turborag_context_len": "16"}, 32, "whole number")):
+        with pytest.raises(IngestRequestError, match=message):
+            plan_ingest(params, prompt, encoder.anchor_ids,
+                        max_chunk_tokens=encoder.max_chunk_tokens,
+                        context_tokens=context_tokens)
+    with pytest.raises(IngestRequestError, match="after 16 context tokens exceeds"):
+        plan_ingest(ingest_params(context_len=16), prompt, encoder.anchor_ids,
+                    max_chunk_tokens=len(encoder.tokenize(TEXT)) + 8, context_tokens=32)
+
+
+def test_the_client_sends_each_chunk_after_its_context(encoder):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    StandIn.bodies = []
+    before = "Ferries of the island service, 1901 to 1932."
+    try:
+        ingest([TEXT, "Short."], url=f"http://127.0.0.1:{server.server_port}", model="m",
+               tokenizer=encoder.tokenizer, contexts=[before, None], context_tokens=12)
+    finally:
+        server.shutdown()
+    bodies = {len(b["prompt"]): b for _, b in StandIn.bodies}
+    with_context = max(bodies.values(), key=lambda b: len(b["prompt"]))
+    context = encoder.tokenizer(before + "\n\n", add_special_tokens=False)["input_ids"][-12:]
+    assert with_context["prompt"] == encoder.anchor_ids + context + encoder.tokenize(TEXT)
+    assert with_context["kv_transfer_params"]["turborag_context_len"] == 12
+    alone = min(bodies.values(), key=lambda b: len(b["prompt"]))
+    assert "turborag_context_len" not in alone["kv_transfer_params"]

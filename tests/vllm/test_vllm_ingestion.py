@@ -45,6 +45,18 @@ def test_vllm_made_blobs_equal_chunk_encoders(ingested):
     assert ingested["values_max_abs_without_anchor"] > 1  # the tolerance tells encodings apart
 
 
+def test_a_chunk_ingested_after_its_context_equals_chunk_encoders(ingested):
+    """A request of anchor + context + chunk, its context length in kv_transfer_params, stores
+    the blob the HF engine encodes for that chunk after that text."""
+    made = ingested["context_ingested"]
+    assert made["stored"] and made["key"] == ingested["context_hf_key"]
+    case = ingested["context_compare"]
+    assert case["found"] and case["fingerprint"] and case["token_ids"] and case["shape"]
+    assert ingested["context_len"] == 32
+    assert case["base_position"] == case["hf_base_position"] == ingested["anchor_len"] + 32
+    assert case["keys_max_abs"] <= TOLERANCE and case["values_max_abs"] <= TOLERANCE
+
+
 def test_answers_stitched_from_vllm_made_blobs_equal_chunk_encoders(ingested):
     for case in ingested["answers"].values():
         assert case["hits_from_vllm_blobs"] == case["hf_hits"] == case["chunks"]

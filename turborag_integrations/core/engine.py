@@ -22,7 +22,7 @@ from .kv.cache import CachePool
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
 from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
-from .prefill.chunk_encoder import ChunkEncoder
+from .prefill.chunk_encoder import DEFAULT_CONTEXT_TOKENS, ChunkEncoder
 from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener
@@ -54,7 +54,8 @@ class TurboRAGEngine(ChunkLibrary):
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  adapter: str | Path | None = None, question_last: bool = False,
                  encoder: "str | Path | LearnedEncoding | None" = "default",
-                 namespace: str = "", separators: bool = True, context_tokens: int = 0):
+                 namespace: str = "", separators: bool = True,
+                 context_tokens: int = DEFAULT_CONTEXT_TOKENS):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.

@@ -125,7 +125,7 @@ class ChunkLibrary:
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
             context = None if contexts is None else [
-                self.encoder.context_ids(contexts[i], len(ids[i])) for i in batch]
+                self.encoder.context_ids(contexts[i], len(ids[i]), texts[i]) for i in batch]
             blobs = self.encoder.encode_ids([ids[i] for i in batch], contexts=context)
             for i, blob in zip(batch, blobs):
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)

@@ -30,8 +30,9 @@ who sent a salt: behind a gateway that sets it per tenant, or with salts as secr
 them to be, no request reaches another tenant's blobs.
 
 Extra config keys: "store" (a store folder or a redis:// URL, as KVStore takes; required),
-"min_chunk_tokens" (shortest blob the finder indexes, default 8), "salt_prefix", "encoder" and
-"anchor" (as TurboRAGEngine takes them: the blobs' encoding must be the one they were made with),
+"min_chunk_tokens" (shortest blob the finder indexes, default 8), "salt_prefix", "encoder",
+"anchor" and "context_tokens" (as TurboRAGEngine takes them: the blobs' encoding must be the one
+they were made with),
 "refresh_s" (how often the scheduler looks for newly stored blobs, default 2), "public"
 (requests may also use blobs of the public namespace, default true), "store_dir" (the
 local disk tier in front of a redis:// store), "max_head_tokens" (longest prompt head the
@@ -460,7 +461,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
         try:
             plan = plan_ingest(params, request.prompt_token_ids or [], self._setup.anchor_ids,
                                max_chunk_tokens=self._setup.max_chunk_tokens,
-                               salt=request.cache_salt, salt_prefix=self._salt_prefix)
+                               salt=request.cache_salt, salt_prefix=self._salt_prefix,
+                               context_tokens=self._setup.context_tokens)
         except IngestRequestError as exc:
             return Ingestion(error=str(exc))
         store = self._store.namespace(plan.namespace)

@@ -8,7 +8,9 @@ that asks for it in `kv_transfer_params`:
 
 The prompt is the anchor's token ids followed by the chunk's, exactly what `ChunkEncoder`
 prefills for a chunk; the connector drops the anchor's positions and stores the chunk's keys
-and values as the blob `ChunkEncoder` would have made — same fingerprint, encoding,
+and values as the blob `ChunkEncoder` would have made. With the connector's "context_tokens",
+the anchor may be followed by the chunk's context (the end of the text before it in its
+document, `"turborag_context_len"` tokens of it), dropped like the anchor — same fingerprint, encoding,
 base_position and key — so that a corpus is encoded by the serving fleet's engine rather than
 by one HF process. The response's `kv_transfer_params.turborag.ingest` says what became of it.
 
@@ -32,12 +34,13 @@ from typing import Sequence
 
 from ..core.errors import TurboRAGError
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.chunk_encoder import chunk_token_ids
+from ..core.prefill.chunk_encoder import chunk_token_ids, context_token_ids
 from ..core.store.namespaces import check_namespace
 
 INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chunk to be stored
 NAMESPACE = "turborag_namespace"  # the store namespace (tenant) it goes into; default ""
 DOC_ID = "turborag_doc_id"  # the document it belongs to (KVStore.delete_doc forgets it)
+CONTEXT_LEN = "turborag_context_len"  # prompt tokens after the anchor that are the context
 
 
 class IngestRequestError(TurboRAGError, ValueError):
@@ -49,7 +52,8 @@ class IngestPlan:
     """What the worker stores for one ingestion request."""
 
     chunk_ids: tuple[int, ...]
-    anchor_len: int  # prompt positions before the chunk, dropped (the blob's base_position)
+    anchor_len: int  # prompt positions before the chunk (anchor, context): dropped, the
+    # blob's base_position
     namespace: str = ""
     doc_id: str | None = None
 
@@ -62,9 +66,12 @@ def wants_ingest(params) -> bool:
     return isinstance(params, dict) and bool(params.get(INGEST))
 
 
-def ingest_params(namespace: str = "", doc_id: str | None = None) -> dict:
+def ingest_params(namespace: str = "", doc_id: str | None = None,
+                  context_len: int = 0) -> dict:
     """The `kv_transfer_params` of an ingestion request."""
     params: dict = {INGEST: True}
+    if context_len:
+        params[CONTEXT_LEN] = context_len
     if namespace:
         params[NAMESPACE] = namespace
     if doc_id:
@@ -74,9 +81,9 @@ def ingest_params(namespace: str = "", doc_id: str | None = None) -> dict:
 
 def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], *,
                 max_chunk_tokens: int, salt: str | None = None,
-                salt_prefix: str = "turborag") -> IngestPlan:
-    """Check an ingestion request against the encoding the connector stores (its anchor ids)
-    and say what to store; IngestRequestError says what is wrong."""
+                salt_prefix: str = "turborag", context_tokens: int = 0) -> IngestPlan:
+    """Check an ingestion request against the encoding the connector stores (its anchor ids,
+    its context tokens) and say what to store; IngestRequestError says what is wrong."""
     if salt and salt.startswith(salt_prefix):
         # its prefix-cache hits could be stitched blocks, which are not a causal prefill
         raise IngestRequestError(
@@ -88,12 +95,27 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
             f"the prompt does not start with the {len(anchor)} token ids of the anchor this "
             "connector's chunks are encoded after: build it with "
             "turborag_integrations.vllm.ingest.chunk_prompt (same tokenizer and anchor)")
-    chunk = prompt_ids[len(anchor):]
+    context = params.get(CONTEXT_LEN) or 0
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise IngestRequestError(f"{CONTEXT_LEN} is a whole number of tokens, not {context!r}")
+    if context > context_tokens:
+        raise IngestRequestError(
+            f"{CONTEXT_LEN} is {context}, but this connector's chunks are encoded after at most "
+            f"{context_tokens} context tokens (its extra config's \"context_tokens\"): build "
+            "the request with turborag_integrations.vllm.ingest.ingest(context_tokens=...) set "
+            "as the connector is")
+    chunk = prompt_ids[len(anchor) + context:]
     if not chunk:
-        raise IngestRequestError("the prompt holds the anchor only: no chunk tokens to store")
+        raise IngestRequestError("the prompt holds the anchor only (and its context): no "
+                                 "chunk tokens to store")
     if len(chunk) > max_chunk_tokens:
         raise IngestRequestError(f"a chunk of {len(chunk)} tokens exceeds the {max_chunk_tokens} "
                                  "the encoder allows after its anchor; split it")
+    if context + len(chunk) > max_chunk_tokens:
+        # the HF encoder would shorten this context to fit the window: the blobs would differ
+        raise IngestRequestError(
+            f"a chunk of {len(chunk)} tokens after {context} context tokens exceeds the "
+            f"{max_chunk_tokens} the window allows after the anchor; split the chunk")
     namespace = params.get(NAMESPACE) or ""
     doc_id = params.get(DOC_ID)
     try:
@@ -102,7 +124,7 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
         raise IngestRequestError(f"{NAMESPACE}: {exc}") from None
     if doc_id is not None and not isinstance(doc_id, str):
         raise IngestRequestError(f"{DOC_ID} is a string, not {type(doc_id).__name__}")
-    return IngestPlan(tuple(chunk), len(anchor), namespace, doc_id or None)
+    return IngestPlan(tuple(chunk), len(anchor) + context, namespace, doc_id or None)
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -139,21 +161,30 @@ def _tokenizer(spec):
 def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
            anchor: str | None = DEFAULT_ANCHOR, namespace: str = "",
            doc_ids: Sequence[str | None] | None = None, concurrency: int = 8,
-           timeout: float = 600.0, api_key: str | None = None) -> IngestReport:
+           timeout: float = 600.0, api_key: str | None = None,
+           contexts: Sequence[str | None] | None = None,
+           context_tokens: int = 0) -> IngestReport:
     """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
 
     url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
     name; tokenizer: a tokenizer, or a bundled model name or folder to load one from (default:
     `model`); anchor: the connector's (its extra config's "anchor", default "chat"). Each text
     is one completions request of one new token, `concurrency` at a time: vLLM batches them.
+    contexts: the text before each one in its document (None for none), encoded before it when
+    `context_tokens` (the connector's "context_tokens") is set, as `encode_chunks` does.
     A text that cannot be tokenized (empty) raises before anything is sent; a request the server
     refuses is reported in `errors`; a server that cannot be reached raises ConnectionError.
     """
     if doc_ids is not None and len(doc_ids) != len(texts):
         raise ValueError(f"{len(doc_ids)} doc_ids for {len(texts)} texts")
+    if contexts is not None and len(contexts) != len(texts):
+        raise ValueError(f"{len(contexts)} contexts for {len(texts)} texts")
     tok = _tokenizer(model if tokenizer is None else tokenizer)
     head = anchor_ids(anchor, tok)
-    prompts = [head + chunk_token_ids(tok, t) for t in texts]
+    chunks = [chunk_token_ids(tok, t) for t in texts]
+    befores = [context_token_ids(tok, contexts[i], context_tokens, texts[i]) if contexts else []
+               for i in range(len(texts))]
+    prompts = [head + b + c for b, c in zip(befores, chunks)]
     endpoint = url.rstrip("/")
     endpoint = (endpoint if endpoint.endswith("/v1") else endpoint + "/v1") + "/completions"
     headers = {"Content-Type": "application/json"}
@@ -162,7 +193,8 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
 
     def send(i: int) -> dict:
         body = {"model": model, "prompt": prompts[i], "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": ingest_params(namespace, doc_ids[i] if doc_ids else None)}
+                "kv_transfer_params": ingest_params(namespace, doc_ids[i] if doc_ids else None,
+                                                    len(befores[i]))}
         request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:

@@ -25,13 +25,14 @@ def default_python() -> Path:
 
 def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | None = None,
                        min_chunk_tokens: int | None = None, store_dir: str | None = None,
-                       blob_dtype: str | None = None, ingest: bool = False) -> dict:
+                       blob_dtype: str | None = None, ingest: bool = False,
+                       context_tokens: int | None = None) -> dict:
     """The connector's config; `ingest`: kv_both, vLLM also stores the chunks it is sent for
     ingestion (vllm/ingest.py)."""
     extra: dict = {"store": str(store)}
     for key, value in (("encoder", encoder), ("anchor", anchor),
                        ("min_chunk_tokens", min_chunk_tokens), ("store_dir", store_dir),
-                       ("blob_dtype", blob_dtype)):
+                       ("blob_dtype", blob_dtype), ("context_tokens", context_tokens)):
         if value is not None:
             extra[key] = value
     # a blob unreadable at load time: vLLM recomputes its tokens rather than failing the request

@@ -19,7 +19,8 @@ import torch
 from ..core.checkpoint import fingerprint_checkpoint
 from ..core.kv.blob import PLAIN, Fingerprint
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.chunk_encoder import chunk_encoding, chunk_token_ids
+from ..core.prefill.chunk_encoder import (DEFAULT_CONTEXT_TOKENS, chunk_encoding,
+                                          chunk_token_ids)
 from ..core.prefill.encoding import resolve_encoder
 from ..core.prefill.separators import separator_ids
 from ..core.store import KVStore
@@ -38,7 +39,11 @@ class ModelSetup:
         self._unusable = ""
         self._lock = threading.Lock()
         self.anchor = extra.get("anchor", DEFAULT_ANCHOR)
-        self.context_tokens = extra.get("context_tokens", 0)
+        self.context_tokens = extra.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
+        if isinstance(self.context_tokens, bool) or not isinstance(self.context_tokens, int) \
+                or self.context_tokens < 0:
+            raise ValueError('the connector\'s "context_tokens" is a whole number ≥ 0, as '
+                             f"TurboRAGEngine takes it, not {self.context_tokens!r}")
         folder = Path(model)
         if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
             self._adopt(self._load())  # a hub id or another format: fingerprint the model

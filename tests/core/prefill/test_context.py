@@ -113,3 +113,26 @@ def test_contexts_must_pair_with_chunks(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=8, progress=False)
     with pytest.raises(ValueError, match="2 contexts for 3 chunks"):
         engine.encode_chunks(DOC[:3], contexts=[None, DOC[0]])
+
+
+def test_the_overlap_a_splitter_repeats_is_not_context():
+    """Splitters overlap consecutive chunks: the text before a chunk is what precedes the part
+    it repeats; a short coincidental match is kept."""
+    from turborag_integrations.core.prefill.chunk_encoder import without_overlap
+
+    before = "The ferry ran daily. It stopped in January when the harbour froze over."
+    chunk = "It stopped in January when the harbour froze over. It resumed in March."
+    assert without_overlap(before, chunk) == "The ferry ran daily. "
+    assert without_overlap("It ends with froze.", "froze. Then more.") == "It ends with froze."
+    assert without_overlap(before, "Unrelated text.") == before
+
+
+def test_contexts_skip_the_overlap_with_the_chunk(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=64, progress=False)
+    overlapped = DOC[0] + " " + DOC[1]
+    chunk = DOC[1] + " " + DOC[2]
+    assert engine.encoder.context_ids(overlapped, chunk=chunk) == \
+        engine.encoder.context_ids(DOC[0] + " ")
+    engine.encode_chunks([chunk], contexts=[overlapped])
+    [alone] = engine.encoder.encode_many([chunk], contexts=[DOC[0]])
+    torch.testing.assert_close(engine.blob_for(chunk).keys, alone.keys, atol=1e-5, rtol=0)

@@ -26,7 +26,8 @@ from ..errors import EmptyChunkError
 from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
 from ..transformers_api import output_cache
 
-__all__ = ["ChunkEncoder", "anchor_encoding", "chunk_encoding", "chunk_token_ids", "ProgressFn"]
+__all__ = ["ChunkEncoder", "DEFAULT_CONTEXT_TOKENS", "anchor_encoding", "chunk_encoding",
+           "chunk_token_ids", "context_token_ids", "ProgressFn"]
 
 ProgressFn = Callable[[int, int], None]  # (done, total)
 
@@ -49,7 +50,35 @@ def chunk_encoding(anchor_ids: Sequence[int], learned=None, context_tokens: int 
     return f"{encoding}+context:{context_tokens}" if context_tokens else encoding
 
 
+# What TurboRAGEngine(context_tokens=) and the vLLM connector default to.
+DEFAULT_CONTEXT_TOKENS = 0
 CONTEXT_JOIN = "\n\n"  # how prompts join chunks (LlamaIndex, LangChain's format_docs, ours)
+
+
+MIN_OVERLAP_CHARS = 16  # a shorter match between two chunks is a coincidence, not an overlap
+
+
+def without_overlap(before: str, chunk: str) -> str:
+    """`before` less its tail that `chunk` repeats: splitters overlap consecutive chunks (by 200
+    tokens in LlamaIndex's default), and the text before a chunk is what precedes that overlap."""
+    for k in range(min(len(before), len(chunk)), MIN_OVERLAP_CHARS - 1, -1):
+        if before.endswith(chunk[:k]):
+            return before[:-k]
+    return before
+
+
+def context_token_ids(tokenizer, text: str | None, limit: int,
+                      chunk: str | None = None) -> list[int]:
+    """The context a chunk is encoded after: the last `limit` tokens of `text` (the text before
+    the chunk in its document, less any overlap with `chunk`) and the blank line that joins
+    chunks; [] without text or room. A function of the tokenizer only, like
+    `chunk_token_ids`, for clients without a model."""
+    if chunk and text:
+        text = without_overlap(text, chunk)
+    if limit <= 0 or not text or not text.strip():
+        return []
+    ids = tokenizer(text.rstrip() + CONTEXT_JOIN, add_special_tokens=False)["input_ids"]
+    return ids[-limit:]
 
 
 def chunk_token_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
@@ -79,7 +108,7 @@ class ChunkEncoder:
 
     def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
                  max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = (),
-                 learned=None, context_tokens: int = 0):
+                 learned=None, context_tokens: int = DEFAULT_CONTEXT_TOKENS):
         self.model = model
         self.tokenizer = tokenizer
         self.anchor_ids = list(anchor_ids)
@@ -110,15 +139,14 @@ class ChunkEncoder:
     def tokenize(self, text: str) -> list[int]:
         return chunk_token_ids(self.tokenizer, text, self.max_chunk_tokens)
 
-    def context_ids(self, text: str | None, chunk_len: int = 0) -> list[int]:
-        """The context a chunk is encoded after: the last `context_tokens` tokens of `text` (the
-        text before the chunk in its document) and the blank line that joins chunks; fewer when
-        the window leaves less room beside a chunk of `chunk_len` tokens; [] without one."""
-        if not self.context_tokens or not text or not text.strip():
-            return []
-        ids = self.tokenizer(text.rstrip() + CONTEXT_JOIN, add_special_tokens=False)["input_ids"]
-        room = min(self.context_tokens, self.max_chunk_tokens - chunk_len)
-        return ids[-room:] if room > 0 else []
+    def context_ids(self, text: str | None, chunk_len: int = 0,
+                    chunk: str | None = None) -> list[int]:
+        """The context a chunk is encoded after (`context_token_ids`): the end of `text`, the
+        text before the chunk in its document, less its overlap with the chunk's text `chunk`;
+        at most `context_tokens`, fewer when the window leaves less room beside a chunk of
+        `chunk_len` tokens; [] without one."""
+        return context_token_ids(self.tokenizer, text,
+                                 min(self.context_tokens, self.max_chunk_tokens - chunk_len), chunk)
 
     def encode(self, text: str) -> KVBlob:
         return self.encode_many([text])[0]
@@ -185,7 +213,8 @@ class ChunkEncoder:
     def encode_many(self, texts: Iterable[str], progress: ProgressFn | None = None,
                     contexts: Sequence[str | None] | None = None) -> list[KVBlob]:
         """Encode chunk texts; `contexts`: the text before each in its document (or None)."""
+        texts = list(texts)
         ids = [self.tokenize(t) for t in texts]
         ctx = None if contexts is None else [
-            self.context_ids(c, len(i)) for c, i in zip(contexts, ids, strict=True)]
+            self.context_ids(c, len(i), t) for c, i, t in zip(contexts, ids, texts, strict=True)]
         return self.encode_ids(ids, progress=progress, contexts=ctx)
