@@ -296,3 +296,23 @@ def test_ignore_eos_decodes_max_tokens_past_end_of_sequence(client, engine, mode
     assert ignored.json()["choices"][0]["finish_reason"] == "length"
     assert ignored.json()["choices"][0]["message"]["content"] == \
         plain.json()["choices"][0]["message"]["content"]
+
+
+def test_chunks_are_encoded_after_the_contexts_sent_with_them(tmp_path):
+    """POST /v1/turborag/chunks with "contexts": a server whose engine has context_tokens stores
+    each chunk as encoded after its context; a count that does not pair up is a 400."""
+    from tests.conftest import tiny_model
+    from turborag_integrations.core.engine import TurboRAGEngine
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=16,
+                            progress=False)
+    texts = ["The ferry runs daily from Velmora.", "It stops in January when the harbour freezes."]
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/v1/turborag/chunks", json={"texts": texts, "contexts": [None, texts[0]]})
+        assert r.status_code == 200, r.text
+        error = error_of(client.post("/v1/turborag/chunks",
+                                     json={"texts": texts, "contexts": [None]}), 400)
+        assert "1 contexts for 2 texts" in error["message"]
+    enc = engine.encoder
+    assert engine.blob_for(texts[0]).base_position == enc.base_position
+    assert engine.blob_for(texts[1]).base_position == enc.base_position + 16

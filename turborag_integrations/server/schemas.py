@@ -220,3 +220,6 @@ class ChunksRequest(Salted):
     doc_id: str | None = None
     """A document the texts belong to: the store keeps their blobs while a document claims
     them (see `TurboRAGEngine.forget_document`)."""
+    contexts: list[str | None] | None = None
+    """The text before each text in its document (null for a document's first piece): a
+    server whose engine has `context_tokens` encodes each chunk after the end of it."""

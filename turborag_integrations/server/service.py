@@ -240,6 +240,9 @@ class Service:
         """Encode and store the blobs of chunk texts, and index the texts for lookup."""
         if any(not text.strip() for text in req.texts):
             raise APIError(400, "every text must hold more than white space", param="texts")
+        if req.contexts is not None and len(req.contexts) != len(req.texts):
+            raise APIError(400, f"{len(req.contexts)} contexts for {len(req.texts)} texts: give "
+                           "one per text (null for a document's first piece)", param="contexts")
 
         namespace = request_namespace(principal_of(request), req.cache_salt, req.public)
         view, finder = self.engine.namespaced(namespace), self.finder(namespace)
@@ -250,7 +253,9 @@ class Service:
                 for start in range(0, len(req.texts), step):
                     texts = req.texts[start:start + step]
                     doc_ids = [req.doc_id] * len(texts) if req.doc_id else None
-                    part, added = await client.wait(self._encode(view, finder, texts, doc_ids))
+                    contexts = req.contexts[start:start + step] if req.contexts else None
+                    part, added = await client.wait(
+                        self._encode(view, finder, texts, doc_ids, contexts))
                     keys += part
                     indexed += added
             except ClientGone:  # the batch under way is still encoded and indexed
@@ -261,11 +266,12 @@ class Service:
                              "total_indexed": len(finder)})
 
     async def _encode(self, view: TurboRAGEngine, finder: ChunkFinder, texts: list[str],
-                      doc_ids: list[str] | None) -> tuple[list[str], int]:
+                      doc_ids: list[str] | None,
+                      contexts: list[str | None] | None = None) -> tuple[list[str], int]:
         """Encode one encoder batch on the model's thread (the requests in flight decode between
         two batches), then index it on a lookup thread."""
-        keys = await asyncio.wrap_future(
-            self.scheduler.call(lambda: view.encode_chunks(texts, doc_ids=doc_ids)))
+        keys = await asyncio.wrap_future(self.scheduler.call(
+            lambda: view.encode_chunks(texts, doc_ids=doc_ids, contexts=contexts)))
         added = await asyncio.get_running_loop().run_in_executor(self.lookups, finder.add, texts)
         return keys, added
 
