@@ -5,6 +5,7 @@ import json
 import pytest
 
 from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.prefill.context import document_contexts
 from turborag_integrations.evaluation.devset import generate_devset, make_items
 from turborag_integrations.evaluation.harness import (ModeSpec, evaluate, load_items,
                                                       markdown_table, write_results)
@@ -111,7 +112,7 @@ def test_encoder_modes_compare_encoders_against_one_full_prefill(tmp_path):
 
 
 def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path):
-    """turbo~N runs on a sibling whose blobs are encoded after the item's chunk before (its
+    """turbo~N runs on a sibling whose blobs are encoded after the item's chunks before (its
     fingerprint differs); turbo~0 is the training-free engine's own blobs."""
     engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None)
     chunks = ["Tamsin did it in May.", "Orrin did not.", "Nobody else was there."]
@@ -125,10 +126,11 @@ def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path
     assert by["turbo~8"]["reply_kl"] != pytest.approx(by["turbo"]["reply_kl"], abs=1e-6)
     sibling = TurboRAGEngine(engine.loaded, store=engine.store, encoder=None, context_tokens=8)
     enc = sibling.encoder
-    for before, text in zip([None, *chunks], chunks):
+    for before, text in zip(document_contexts(chunks, 8), chunks):
         blob = sibling.blob_for(text)  # stored by the evaluation, found by its fingerprint
         assert blob is not None
         assert blob.base_position == enc.base_position + len(enc.context_ids(before))
+    assert sibling.blob_for(chunks[2]).base_position == enc.base_position + 8
     assert ModeSpec.parse("turbo+boundary:8@chat~64#none").context == 64
     assert ModeSpec.parse("turbo").context is None
     for bad in ("turbo~", "turbo~x", "naive~8", "turbo-oracle~8"):

@@ -1,13 +1,14 @@
-"""The Workspace's ingestion: a file's chunks, in order, each encoded after the one before."""
+"""The Workspace's ingestion: a file's chunks, in order, each encoded after those before."""
 
 import torch
 
 from tests.conftest import tiny_model, write_docs
 from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.prefill.context import document_contexts
 from turborag_integrations.workspace import Workspace
 
 
-def test_a_files_chunks_are_encoded_after_the_chunk_before(tmp_path):
+def test_a_files_chunks_are_encoded_after_the_chunks_before(tmp_path):
     engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=16,
                             progress=False)
     text = " ".join(f"Line {i}: the harbour froze in {1900 + i}." for i in range(20))
@@ -19,7 +20,9 @@ def test_a_files_chunks_are_encoded_after_the_chunk_before(tmp_path):
                                        found["documents"]))]
     assert len(chunks) > 2
     enc = engine.encoder
-    for before, chunk in zip([None, *chunks[:-1]], chunks):
+    contexts = document_contexts(chunks, 16)
+    assert contexts[2].endswith(chunks[0].strip() + "\n\n" + chunks[1].strip())
+    for before, chunk in zip(contexts, chunks):
         ids = enc.tokenize(chunk)
         want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
         blob = engine.blob_for(chunk)

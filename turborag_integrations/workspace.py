@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .core import environment
+from .core.prefill.context import document_contexts
 from .core.retrieval.chroma import chroma_client
 from .core.retrieval.chunking import split_text
 from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
@@ -228,7 +229,8 @@ class Workspace:
                 # Blobs first, then Chroma: a file counts as done only once both are written,
                 # so an interrupted ingestion redoes it (its blobs are found and skipped).
                 self.engine.encode_chunks(chunks, doc_ids=[doc_id] * len(chunks),
-                                          contexts=[None, *chunks[:-1]])
+                                          contexts=document_contexts(
+                                              chunks, self.engine.encoder.context_tokens))
                 vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
                 self.collection.add(
                     ids=[f"{digest}-{i}" for i in range(len(chunks))], documents=chunks,

@@ -196,7 +196,7 @@ def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, mini
 
 
 def test_pieces_of_one_source_are_encoded_after_the_piece_before(minilm, tmp_path):
-    """With `context_tokens`, a text is encoded after the previous text of the same call with
+    """With `context_tokens`, a text is encoded after the texts before it in the same call with
     the same metadata "source" (a splitter's pieces of one document, in order); a text without
     a source, or a source's first piece, alone."""
     from turborag_integrations.langchain.vectorstore import _contexts
@@ -208,12 +208,15 @@ def test_pieces_of_one_source_are_encoded_after_the_piece_before(minilm, tmp_pat
              "Its ferry stops in January.", "A note with no source.", "Kiln tiles go to orbit."]
     metas = [{"source": "velmora.md"}, {"source": "kiln.md"}, {"source": "velmora.md"}, {},
              {"source": "kiln.md"}]
-    assert _contexts(texts, metas) == [None, None, texts[0], None, texts[1]]
-    assert _contexts(texts, None) == [None] * len(texts)
+    assert _contexts(texts, metas, 16) == [None, None, texts[0], None, texts[1]]
+    assert _contexts(texts, None, 16) == _contexts(texts, metas, 0) == [None] * len(texts)
+    more = ["A third piece of velmora.md, on the lighthouse."]
+    assert _contexts(texts + more, metas + [{"source": "velmora.md"}], 16)[-1] == \
+        texts[0] + "\n\n" + texts[2]  # every piece before it, as far as the context holds
     store = make_store(engine, minilm, tmp_path)
     store.add_texts(texts, metadatas=metas)
     enc = engine.encoder
-    for text, before in zip(texts, _contexts(texts, metas)):
+    for text, before in zip(texts, _contexts(texts, metas, 16)):
         ids = enc.tokenize(text)
         want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
         blob = engine.blob_for(text)

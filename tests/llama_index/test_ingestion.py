@@ -11,6 +11,7 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
+from turborag_integrations.core.prefill.context import text_before
 from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry,
                                                KVCachingVectorStore, llm_text)
 
@@ -137,8 +138,9 @@ def context_blob(engine, text: str, before: str | None):
 
 
 def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
-    """With `context_tokens`, a split document's node is encoded after the node before it (its
-    PREVIOUS relationship), from the same batch or, for a later insert, from the store."""
+    """With `context_tokens`, a split document's node is encoded after the nodes before it
+    (along PREVIOUS relationships), from the same batch or, for a later insert, from the
+    store."""
     from turborag_integrations.core.engine import TurboRAGEngine
     from tests.conftest import tiny_model
 
@@ -153,11 +155,18 @@ def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
         transformations=[SentenceSplitter(chunk_size=48, chunk_overlap=0)])
     nodes = {n.node_id: n for n in store.get_nodes()}
     assert len(nodes) > 2
+
+    def chain(node):  # the texts of the nodes before `node`, nearest first
+        while node.prev_node is not None:
+            node = nodes[node.prev_node.node_id]
+            yield node.get_content()
+
     firsts = 0
     for node in nodes.values():
-        prev = node.prev_node
-        before = nodes[prev.node_id].get_content() if prev is not None else None
+        before = text_before(chain(node), node.get_content(), 24)
         firsts += before is None
+        assert before is None or before.endswith(
+            nodes[node.prev_node.node_id].get_content().strip())
         blob = engine.blob_for(llm_text(node))
         want = context_blob(engine, llm_text(node), before)
         assert blob.base_position == want.base_position
@@ -170,7 +179,8 @@ def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
     index.insert_nodes([late])
     blob = engine.blob_for(llm_text(late))
     assert blob.base_position > engine.encoder.base_position
-    want = context_blob(engine, llm_text(late), last.get_content())
+    want = context_blob(engine, llm_text(late), text_before(chain(last), "", 24) + "\n\n"
+                        + last.get_content())
     torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
 
 

@@ -51,7 +51,7 @@ def main(model_dir: str, out_path: str) -> None:
     from turborag_integrations.core.prefill.stitch import plan_prompt
     from turborag_integrations.core.settings import GenerationConfig
     from turborag_integrations.core.store import KVStore
-    from turborag_integrations.core.prefill.chunk_encoder import context_token_ids
+    from turborag_integrations.core.prefill.context import context_token_ids
     from turborag_integrations.vllm.ingest import chunk_prompt, ingest_params
 
     from offline import connector

@@ -140,7 +140,7 @@ def test_the_client_raises_when_no_server_answers(encoder):
 def test_a_chunk_after_its_context_is_planned_as_chunk_encoder_encodes_it(encoder):
     """With the connector's context_tokens, the prompt is anchor + context + chunk; the plan
     drops anchor and context, and its base_position is the blob ChunkEncoder makes."""
-    from turborag_integrations.core.prefill.chunk_encoder import context_token_ids
+    from turborag_integrations.core.prefill.context import context_token_ids
 
     before = "The ferry Aldine was built in Cardiff in 1901 for the island service."
     context = context_token_ids(encoder.tokenizer, before, 16)

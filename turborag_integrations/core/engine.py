@@ -22,7 +22,8 @@ from .kv.cache import CachePool
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
 from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
-from .prefill.chunk_encoder import DEFAULT_CONTEXT_TOKENS, ChunkEncoder
+from .prefill.chunk_encoder import ChunkEncoder
+from .prefill.context import DEFAULT_CONTEXT_TOKENS
 from .prefill.encoding import LearnedEncoding, resolve_encoder
 from .prefill.recovery import parse_recovery
 from .prefill.reorder import question_last, user_turn_opener

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from ..core.prefill.context import text_before
 from ..core.errors import ContextWindowError
 from ..core.settings import GenerationConfig
 from ..core.prefill.recovery import parse_recovery
@@ -264,13 +265,13 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 continue
             table[it.id] = (prompt, texts)
         prepared[ft] = table
-        # each chunk with the text before it in its item's document (the item's chunks are one
-        # document's, in order); a chunk in several items keeps its first context, as ingestion
-        # keeps the first blob of a text
-        before: dict[str, str | None] = {}
+        # each chunk after the text before it in its item's document (the item's chunks are one
+        # document's, in order: the chunks before it, nearest first); a chunk in several items
+        # keeps its first context, as ingestion keeps the first blob of a text
+        before: dict[str, list[str]] = {}
         for _, texts in table.values():
-            for prev, text in zip([None, *texts], texts):
-                before.setdefault(text, prev)
+            for i, text in enumerate(texts):
+                before.setdefault(text, texts[i - 1::-1] if i else [])
         chunks = sorted(before)
         head = prompt_head(eng.tokenizer, system)
         siblings: dict = {}
@@ -286,7 +287,9 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
         for e, names in served.values():
             if chunks:  # ingestion: not part of TTFT; minutes for a larger model
                 label = f"encoding chunks for {', '.join(names)}"
-                e.encode_chunks(chunks, contexts=[before[c] for c in chunks], progress=(
+                tokens = e.encoder.context_tokens
+                e.encode_chunks(chunks, contexts=[text_before(before[c], c, tokens)
+                                                  for c in chunks], progress=(
                     (lambda done, total, label=label: progress(label, done, total))
                     if progress else None))
         eng.warmup()

@@ -25,6 +25,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from ..core.engine import TurboRAGEngine
+from ..core.prefill.context import text_before
 from ..core.registry import ChunkRegistry
 from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
 from ..core.store.namespaces import namespaced_collection
@@ -64,22 +65,28 @@ def _chroma(embedding: Embeddings | None, persist_directory: str | None,
 
 
 
-def _contexts(texts: Sequence[str], metadatas: list[dict] | None) -> list[str | None]:
+def _contexts(texts: Sequence[str], metadatas: list[dict] | None,
+              context_tokens: int) -> list[str | None]:
     """The text before each one in its document, for an engine that encodes chunks after it
-    (`context_tokens`): the previous text of the same call with the same metadata "source"
+    (`context_tokens`): the texts before it in the same call with the same metadata "source"
     (loaders set it, and a text splitter's `split_documents` keeps a document's pieces in order
-    with its metadata); None for a document's first piece or a text without a source."""
-    last: dict[str, str] = {}
+    with its metadata), as far back as the context can hold (core/prefill/context.py); None for
+    a document's first piece or a text without a source."""
+    if not context_tokens or not metadatas:
+        return [None] * len(texts)
+    earlier: dict[str, list[str]] = {}
     out: list[str | None] = []
-    for i, text in enumerate(texts):
-        source = (metadatas[i] or {}).get("source") if metadatas else None
-        if source is None or not isinstance(source, (str, int)):
+    for text, metadata in zip(texts, metadatas):
+        source = (metadata or {}).get("source")
+        if not isinstance(source, (str, int)) or isinstance(source, bool):
             out.append(None)
             continue
-        out.append(last.get(str(source)))
+        pieces = earlier.setdefault(str(source), [])
+        out.append(text_before(reversed(pieces), text, context_tokens))
         if text and text.strip():
-            last[str(source)] = text
+            pieces.append(text)
     return out
+
 
 class KVCachingVectorStore(VectorStore):
     """Wraps `vectorstore` (default: embedded Chroma over the bundled MiniLM embeddings).
@@ -179,7 +186,8 @@ class KVCachingVectorStore(VectorStore):
         # Blobs are reference-counted by document id, so every document needs one now.
         doc_ids = [i or str(uuid.uuid4()) for i in (ids or [None] * len(texts))]
         self._forget_replaced(doc_ids, texts)
-        keys = self._encode(texts, doc_ids, _contexts(texts, metadatas))
+        keys = self._encode(texts, doc_ids, _contexts(texts, metadatas,
+                                                      self.engine.encoder.context_tokens))
         fp = self.engine.fingerprint
         stamped = []
         for i, key in enumerate(keys):

@@ -22,6 +22,7 @@ from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilters,
                                                   VectorStoreQuery, VectorStoreQueryResult)
 
+from ..core.prefill.context import text_before
 from ..core.registry import ChunkRegistry
 from .nodes import KV_KEY_METADATA, hide_kv_key, llm_text
 from ..core.store.namespaces import namespaced_collection
@@ -156,23 +157,37 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
     def _contexts(self, nodes: Sequence[BaseNode],
                   todo: list[tuple[int, BaseNode, str]]) -> Optional[List[Optional[str]]]:
         """The text before each node in its document, for an engine that encodes chunks after
-        it (`context_tokens`): its PREVIOUS node's text (node parsers link a document's nodes
-        in order), from this batch or else from the wrapped store; None where there is none."""
-        encoder = getattr(self._engine, "encoder", None)
-        if not getattr(encoder, "context_tokens", 0):
+        it (`context_tokens`): the nodes before it along their PREVIOUS relationships (node
+        parsers link a document's nodes in order), from this batch or else from the wrapped
+        store, as far back as the context can hold (core/prefill/context.py)."""
+        tokens = getattr(getattr(self._engine, "encoder", None), "context_tokens", 0)
+        if not tokens:
             return None
-        texts = {n.node_id: n.get_content(metadata_mode=MetadataMode.NONE) for n in nodes}
-        prev_ids = [getattr(n.prev_node, "node_id", None) for _, n, _ in todo]
-        missing = [i for i in dict.fromkeys(prev_ids) if i is not None and i not in texts]
-        if missing:
-            try:
-                found = self._inner.get_nodes(missing)
-            except Exception as exc:  # a store that cannot look nodes up: no context there
-                log.debug("previous nodes not found in the wrapped store: %s", exc)
-                found = []
-            texts.update((n.node_id, n.get_content(metadata_mode=MetadataMode.NONE))
-                         for n in found)
-        return [texts.get(i) if i is not None else None for i in prev_ids]
+        known: dict[str, Optional[BaseNode]] = {n.node_id: n for n in nodes}
+
+        def lookup(node_id: str) -> Optional[BaseNode]:
+            if node_id not in known:
+                try:
+                    found = self._inner.get_nodes([node_id])
+                except Exception as exc:  # a store that cannot look nodes up: no context there
+                    log.debug("previous node %s not found in the wrapped store: %s", node_id, exc)
+                    found = []
+                known[node_id] = found[0] if found else None
+            return known[node_id]
+
+        def before(node: BaseNode):
+            """The texts of the nodes before `node`, nearest first."""
+            seen, link = {node.node_id}, node.prev_node
+            while link is not None and link.node_id not in seen:
+                seen.add(link.node_id)
+                prev = lookup(link.node_id)
+                if prev is None:
+                    return
+                yield prev.get_content(metadata_mode=MetadataMode.NONE)
+                link = prev.prev_node
+
+        return [text_before(before(node), node.get_content(metadata_mode=MetadataMode.NONE),
+                            tokens) for _, node, _ in todo]
 
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> List[str]:
         self.encode_nodes(nodes)

@@ -34,7 +34,8 @@ from typing import Sequence
 
 from ..core.errors import TurboRAGError
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.chunk_encoder import chunk_token_ids, context_token_ids
+from ..core.prefill.chunk_encoder import chunk_token_ids
+from ..core.prefill.context import context_token_ids
 from ..core.store.namespaces import check_namespace
 
 INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chunk to be stored

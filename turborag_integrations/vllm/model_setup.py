@@ -19,8 +19,8 @@ import torch
 from ..core.checkpoint import fingerprint_checkpoint
 from ..core.kv.blob import PLAIN, Fingerprint
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.chunk_encoder import (DEFAULT_CONTEXT_TOKENS, chunk_encoding,
-                                          chunk_token_ids)
+from ..core.prefill.chunk_encoder import chunk_encoding, chunk_token_ids
+from ..core.prefill.context import DEFAULT_CONTEXT_TOKENS
 from ..core.prefill.encoding import resolve_encoder
 from ..core.prefill.separators import separator_ids
 from ..core.store import KVStore

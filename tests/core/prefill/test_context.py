@@ -118,7 +118,7 @@ def test_contexts_must_pair_with_chunks(tiny_llama, tmp_path):
 def test_the_overlap_a_splitter_repeats_is_not_context():
     """Splitters overlap consecutive chunks: the text before a chunk is what precedes the part
     it repeats; a short coincidental match is kept."""
-    from turborag_integrations.core.prefill.chunk_encoder import without_overlap
+    from turborag_integrations.core.prefill.context import without_overlap
 
     before = "The ferry ran daily. It stopped in January when the harbour froze over."
     chunk = "It stopped in January when the harbour froze over. It resumed in March."
@@ -136,3 +136,22 @@ def test_contexts_skip_the_overlap_with_the_chunk(tiny_llama, tmp_path):
     engine.encode_chunks([chunk], contexts=[overlapped])
     [alone] = engine.encoder.encode_many([chunk], contexts=[DOC[0]])
     torch.testing.assert_close(engine.blob_for(chunk).keys, alone.keys, atol=1e-5, rtol=0)
+
+
+def test_the_text_before_a_chunk_is_its_documents_pieces_so_far():
+    """Every piece before, nearest last, each less the overlap with the next, joined by blank
+    lines, only the end that the context can hold."""
+    from turborag_integrations.core.prefill.context import (CHARS_PER_TOKEN, document_contexts,
+                                                            text_before)
+
+    pieces = ["Chapter one. The ferry ran daily from Velmora harbour.",
+              "from Velmora harbour. It stopped in January.",  # overlaps the piece before
+              "The harbour froze that winter."]
+    contexts = document_contexts(pieces, 100)
+    assert contexts[0] is None
+    assert contexts[1] == "Chapter one. The ferry ran daily"  # the overlap trimmed
+    assert contexts[2] == "Chapter one. The ferry ran daily\n\nfrom Velmora harbour. It " \
+                          "stopped in January."
+    assert document_contexts(pieces, 0) == [None, None, None]
+    short = text_before(reversed(pieces[:2]), pieces[2], 1)
+    assert short == contexts[2][-CHARS_PER_TOKEN:]  # only as much as one token can hold

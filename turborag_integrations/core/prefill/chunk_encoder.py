@@ -7,13 +7,9 @@ head) and keeping only the chunk's own keys and values — positions a..a+n−1,
 gives the chunk the mid-sequence statistics it will have at query time. The anchor's KV is
 discarded; `KVBlob.base_position` records a, so re-rotation moves the keys by (target − a).
 
-Context encoding (`context_tokens` > 0): a chunk alone does not know what its document said
-before it — whose policy, which release, what product a figure belongs to — and a full prefill
-of a prompt reads that from the text before the chunk. At ingestion the document is known, so
-each chunk is encoded after the anchor and then the last `context_tokens` tokens of the text
-before it in its document (its previous chunk, joined as prompts join chunks, by a blank line).
-The context's KV is discarded like the anchor's: the blob still holds exactly the chunk's own
-tokens, its `base_position` counts the anchor and the context, and query time is unchanged.
+Context encoding (`context_tokens` > 0): each chunk is encoded after the anchor and then the end
+of the text before it in its document (prefill/context.py); that context's KV is discarded like
+the anchor's, and the blob's `base_position` counts both.
 """
 
 from __future__ import annotations
@@ -24,10 +20,10 @@ import torch
 
 from ..errors import EmptyChunkError
 from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
+from .context import DEFAULT_CONTEXT_TOKENS, context_token_ids
 from ..transformers_api import output_cache
 
-__all__ = ["ChunkEncoder", "DEFAULT_CONTEXT_TOKENS", "anchor_encoding", "chunk_encoding",
-           "chunk_token_ids", "context_token_ids", "ProgressFn"]
+__all__ = ["ChunkEncoder", "anchor_encoding", "chunk_encoding", "chunk_token_ids", "ProgressFn"]
 
 ProgressFn = Callable[[int, int], None]  # (done, total)
 
@@ -48,37 +44,6 @@ def chunk_encoding(anchor_ids: Sequence[int], learned=None, context_tokens: int 
     if learned is not None:
         encoding = f"{encoding}+{learned.tag}"
     return f"{encoding}+context:{context_tokens}" if context_tokens else encoding
-
-
-# What TurboRAGEngine(context_tokens=) and the vLLM connector default to.
-DEFAULT_CONTEXT_TOKENS = 0
-CONTEXT_JOIN = "\n\n"  # how prompts join chunks (LlamaIndex, LangChain's format_docs, ours)
-
-
-MIN_OVERLAP_CHARS = 16  # a shorter match between two chunks is a coincidence, not an overlap
-
-
-def without_overlap(before: str, chunk: str) -> str:
-    """`before` less its tail that `chunk` repeats: splitters overlap consecutive chunks (by 200
-    tokens in LlamaIndex's default), and the text before a chunk is what precedes that overlap."""
-    for k in range(min(len(before), len(chunk)), MIN_OVERLAP_CHARS - 1, -1):
-        if before.endswith(chunk[:k]):
-            return before[:-k]
-    return before
-
-
-def context_token_ids(tokenizer, text: str | None, limit: int,
-                      chunk: str | None = None) -> list[int]:
-    """The context a chunk is encoded after: the last `limit` tokens of `text` (the text before
-    the chunk in its document, less any overlap with `chunk`) and the blank line that joins
-    chunks; [] without text or room. A function of the tokenizer only, like
-    `chunk_token_ids`, for clients without a model."""
-    if chunk and text:
-        text = without_overlap(text, chunk)
-    if limit <= 0 or not text or not text.strip():
-        return []
-    ids = tokenizer(text.rstrip() + CONTEXT_JOIN, add_special_tokens=False)["input_ids"]
-    return ids[-limit:]
 
 
 def chunk_token_ids(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
