@@ -49,6 +49,31 @@ def test_ingest_then_ask_reuses_blobs_and_reruns_skip(tmp_path, docs, model_dir)
     assert report["sources"] and all(s.endswith((".md", ".txt", ".html")) for s in report["sources"])
 
 
+def test_ingest_with_context_tokens_keeps_them_for_the_workspace(tmp_path, model_dir):
+    """--context-tokens on the first ingestion is the workspace's: recorded, and every chunk
+    after a file's first is encoded after the text before it; a later run keeps it."""
+    from turborag_integrations.workspace import Workspace
+
+    long_doc = " ".join(f"Pier {i} of Velmora harbour was built in {1800 + i}." for i in range(30))
+    docs = write_docs(tmp_path / "long", {"harbour.md": long_doc})
+    ws = tmp_path / "ws"
+    code, out = run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 48,
+                    "--context-tokens", 12, "--json")
+    assert code == 0, out
+    assert json.loads((ws / "manifest.json").read_text())["context_tokens"] == 12
+    workspace = Workspace(ws)
+    assert workspace.context_tokens == 12
+    engine = workspace.engine
+    found = workspace.collection.get(include=["documents", "metadatas"])
+    positions = sorted((m["index"], engine.blob_for(d).base_position)
+                       for d, m in zip(found["documents"], found["metadatas"]))
+    base = engine.encoder.base_position
+    assert len(positions) > 2
+    assert [p for _, p in positions] == [base] + [base + 12] * (len(positions) - 1)
+    code, out = run("ingest", docs, "--store", ws, "--json")
+    assert code == 0 and last_json(out)["skipped"] == 1
+
+
 def test_changed_file_is_reingested(tmp_path, docs, model_dir):
     ws = tmp_path / "ws"
     run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64)

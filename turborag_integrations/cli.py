@@ -23,6 +23,9 @@ AdapterOpt = typer.Option("none", help="LoRA adapter merged into the weights at 
                           "the model): none | default (shipped for SmolLM2) | a file")
 EncoderOpt = typer.Option("default", help="learned chunk encoding, used only when chunks are "
                           "encoded: default (shipped for the bundled model) | none | a file")
+ContextOpt = typer.Option(None, "--context-tokens", min=0,
+                          help="encode each chunk after up to this many tokens of its "
+                          "document's text before it (0: alone; default: the engine's)")
 ChromaUrlOpt = typer.Option(
     None, "--chroma-url", envvar="TURBORAG_CHROMA_URL",
     help="Chroma server for the chunks, e.g. http://127.0.0.1:8000 (start one with `chroma run "
@@ -65,6 +68,7 @@ def demo(
     max_new_tokens: int = typer.Option(64),
     adapter: str = AdapterOpt,
     encoder: str = EncoderOpt,
+    context_tokens: Optional[int] = ContextOpt,
     chroma_url: Optional[str] = ChromaUrlOpt,
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
@@ -77,7 +81,7 @@ def demo(
     try:
         with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
                                  adapter=adapter, encoder=encoder,
-                                 chroma_url=chroma_url) as ws:
+                                 context_tokens=context_tokens, chroma_url=chroma_url) as ws:
             _ingest(ws, [docs])
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
             answer = ws.ask(question, k=top_k,
@@ -133,6 +137,7 @@ def ingest(
     encoder: Optional[str] = typer.Option(None, help="learned chunk encoding: default (shipped "
                                           "for the bundled model) | none | a file (first "
                                           "ingestion; default default)"),
+    context_tokens: Optional[int] = ContextOpt,
     json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
     chroma_url: Optional[str] = ChromaUrlOpt,
 ):
@@ -142,7 +147,7 @@ def ingest(
     from .core.errors import TurboRAGError
 
     ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter, encoder=encoder,
-                    chroma_url=chroma_url)
+                    chroma_url=chroma_url, context_tokens=context_tokens)
     try:
         counts = _ingest(ws, paths, quiet=json_out)
     except TurboRAGError as exc:
@@ -297,6 +302,7 @@ def serve(
     question_last: bool = typer.Option(False, "--question-last",
                                        help="stitch question-first prompts with the chunks "
                                        "moved before the question (docs/langchain.md)"),
+    context_tokens: Optional[int] = ContextOpt,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -327,7 +333,7 @@ def serve(
                    encoder=encoder, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, keys=keys, threads=threads,
-                   question_last=question_last)
+                   question_last=question_last, context_tokens=context_tokens)
     except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
 

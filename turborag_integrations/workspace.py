@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .core import environment
-from .core.prefill.context import document_contexts
+from .core.prefill.context import DEFAULT_CONTEXT_TOKENS, document_contexts
 from .core.retrieval.chroma import chroma_client
 from .core.retrieval.chunking import split_text
 from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
@@ -87,7 +87,8 @@ class Workspace:
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
                  embedding: str | None = None, adapter: str | None = None,
-                 encoder: str | None = None, chroma_url: str | None = None):
+                 encoder: str | None = None, chroma_url: str | None = None,
+                 context_tokens: int | None = None):
         """adapter: "none" (the model as loaded; the default for a new workspace), "default"
         (the adapter shipped for a bundled model, merged into the weights) or a file; None keeps
         what the workspace was built with.
@@ -95,6 +96,10 @@ class Workspace:
         encoder: the learned chunk encoding (core/prefill/encoding.py): "default" (the file
         shipped for a bundled model; the default for a new workspace), "none", or a file; None
         keeps what the workspace was built with.
+
+        context_tokens: each chunk is encoded after up to this many tokens of the file's text
+        before it (docs/concepts.md#context-encoding); None keeps what the workspace was built
+        with (TurboRAGEngine's default for a new one).
 
         chroma_url: a Chroma server (e.g. http://127.0.0.1:8000, started with `chroma run
         --path DIR --port 8000`) to keep the chunks in, so that several processes can share
@@ -115,6 +120,9 @@ class Workspace:
         self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
         self.adapter = adapter or (manifest or {}).get("adapter") or "none"
         self.encoder = encoder or (manifest or {}).get("encoder") or "default"
+        # a manifest from before context encoding has no entry: its blobs were made without
+        self.context_tokens = context_tokens if context_tokens is not None else (
+            manifest.get("context_tokens", 0) if manifest else DEFAULT_CONTEXT_TOKENS)
         self.kv_dir = self.root / "kv"
         self._engine = engine
         self._embedder = None
@@ -145,7 +153,8 @@ class Workspace:
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
             self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
-                                          adapter=self.adapter, encoder=self.encoder)
+                                          adapter=self.adapter, encoder=self.encoder,
+                                          context_tokens=self.context_tokens)
         return self._engine
 
     @property
@@ -194,7 +203,8 @@ class Workspace:
     def _write_manifest(self) -> None:
         data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
                 "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name,
-                "adapter": self.adapter, "encoder": self.encoder, "chroma_url": self.chroma_url}
+                "adapter": self.adapter, "encoder": self.encoder, "chroma_url": self.chroma_url,
+                "context_tokens": self.context_tokens}
         tmp = self.root / "manifest.json.tmp"
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.root / "manifest.json")

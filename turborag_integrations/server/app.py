@@ -205,7 +205,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
           mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
           keys: str | Path | None = None, threads: int | None = None,
-          question_last: bool = False) -> None:
+          question_last: bool = False, context_tokens: int | None = None) -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -225,9 +225,11 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
         torch.set_num_threads(threads)  # before any thread that runs torch starts
     log.info("torch threads: %d", torch.get_num_threads())
     key_file = KeyFile(keys) if keys is not None else None  # a missing file fails before loading
+    engine_options = {} if context_tokens is None else {"context_tokens": context_tokens}
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
                                                    encoder=encoder,
-                                                   question_last=question_last))
+                                                   question_last=question_last,
+                                                   **engine_options))
     with engine:
         app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
                          max_body_bytes=max_body_bytes, api_key=api_key, keys=key_file)
