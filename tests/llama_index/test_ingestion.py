@@ -12,7 +12,7 @@ from llama_index.core.schema import MetadataMode, NodeRelationship, RelatedNodeI
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
 from turborag_integrations.core.prefill.context import text_before
-from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry,
+from turborag_integrations.llama_index import (KV_KEY_METADATA, ChunkRegistry, TurboRAGLLM,
                                                KVCachingVectorStore, llm_text)
 
 from .conftest import DOCS, build_index, documents
@@ -189,3 +189,15 @@ def test_nodes_are_encoded_alone_without_context_tokens(kv_store, engine, embed_
     build_index(kv_store, embed_model)
     for node in kv_store.get_nodes():
         assert engine.blob_for(llm_text(node)).base_position == engine.encoder.base_position
+
+
+def test_an_llm_that_loads_its_own_engine_takes_context_tokens(model_dir, tmp_path):
+    import pydantic
+    import pytest
+
+    llm = TurboRAGLLM(model_name=str(model_dir), store_path=str(tmp_path / "kv"),
+                      context_tokens=8)
+    assert llm._engine.encoder.context_tokens == 8
+    assert llm._engine.fingerprint.encoding.endswith("+context:8")
+    with pytest.raises(pydantic.ValidationError):
+        TurboRAGLLM(model_name=str(model_dir), context_tokens=-1)

@@ -75,6 +75,10 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     encoder: Optional[str] = Field(default="default", description="learned chunk encoding: "
                                    "'default' (shipped for the bundled model), None, or a file; "
                                    "used when no engine is given")
+    context_tokens: Optional[int] = Field(default=None, ge=0, description="chunks are encoded "
+                                          "after up to this many tokens of their document's text "
+                                          "before them (docs/concepts.md#context-encoding); None: "
+                                          "the engine's default; used when no engine is given")
     namespace: Optional[str] = Field(default=None, description="the store namespace (a tenant) "
                                      "blobs are read from and written to: the engine's view "
                                      "engine.namespaced(namespace); None: the engine's own")
@@ -97,7 +101,9 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
                                     positions=self.positions or "reordered",
                                     anchor=self.anchor, adapter=self.adapter,
-                                    encoder=self.encoder)
+                                    encoder=self.encoder,
+                                    **({} if self.context_tokens is None
+                                       else {"context_tokens": self.context_tokens}))
         self._bind(engine, registry, self.namespace)
         if self.context_window is None:
             self.context_window = engine.context_window
