@@ -114,7 +114,8 @@ def test_encoder_modes_compare_encoders_against_one_full_prefill(tmp_path):
 def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path):
     """turbo~N runs on a sibling whose blobs are encoded after the item's chunks before (its
     fingerprint differs); turbo~0 is the training-free engine's own blobs."""
-    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None)
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None,
+                            context_tokens=0)
     chunks = ["Tamsin did it in May.", "Orrin did not.", "Nobody else was there."]
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],

@@ -184,10 +184,22 @@ def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
     torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
 
 
-def test_nodes_are_encoded_alone_without_context_tokens(kv_store, engine, embed_model):
-    assert engine.encoder.context_tokens == 0
-    build_index(kv_store, embed_model)
-    for node in kv_store.get_nodes():
+def test_nodes_are_encoded_alone_with_context_tokens_0(tmp_path, embed_model):
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from tests.conftest import tiny_model
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=0,
+                            progress=False)
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    text = " ".join(f"Sentence number {i} says the harbour froze in year {1900 + i}."
+                    for i in range(12))
+    VectorStoreIndex.from_documents(
+        [Document(text=text, id_="doc")], embed_model=embed_model,
+        storage_context=StorageContext.from_defaults(vector_store=store),
+        transformations=[SentenceSplitter(chunk_size=48, chunk_overlap=0)])
+    nodes = store.get_nodes()
+    assert len(nodes) > 2 and sum(n.prev_node is not None for n in nodes) > 1
+    for node in nodes:
         assert engine.blob_for(llm_text(node)).base_position == engine.encoder.base_position
 
 

@@ -42,9 +42,10 @@ def eval_command(
     encoder: str = typer.Option("default", help="chunk encoder the blobs are made with: "
                                 "'default' (the one shipped for the model), 'none' (the "
                                 "query-time model itself), or a path"),
-    context_tokens: int = typer.Option(0, min=0, help="encode each chunk after up to this "
-                                       "many tokens of its item's previous chunk (0: alone); a "
-                                       "mode's '~N' overrides it"),
+    context_tokens: Optional[int] = typer.Option(
+        None, min=0, help="encode each chunk after up to this many tokens of its item's chunks "
+                          "before it (0: alone; default: the engine's); a mode's '~N' overrides "
+                          "it"),
     modes: Optional[str] = typer.Option(
         None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
                    "(boundary:K, blend:R), ft:MODE; a turbo mode may add @ANCHOR, ~N (context "
@@ -133,7 +134,8 @@ def eval_command(
         with temporary_store() as base_kv, temporary_store() as ft_kv:
             engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter,
                                     encoder=_encoder_arg(encoder),
-                                    context_tokens=context_tokens)
+                                    **({} if context_tokens is None
+                                       else {"context_tokens": context_tokens}))
             ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False, adapter=None) \
                 if finetuned is not None else None
 
@@ -152,7 +154,7 @@ def eval_command(
     results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
-    results["context_tokens"] = context_tokens
+    results["context_tokens"] = engine.encoder.context_tokens
     results["system"] = system
     if finetuned is not None:
         results["finetuned"] = str(finetuned)

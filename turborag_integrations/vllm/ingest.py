@@ -35,7 +35,7 @@ from typing import Sequence
 from ..core.errors import TurboRAGError
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
 from ..core.prefill.chunk_encoder import chunk_token_ids
-from ..core.prefill.context import context_token_ids
+from ..core.prefill.context import DEFAULT_CONTEXT_TOKENS, context_token_ids
 from ..core.store.namespaces import check_namespace
 
 INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chunk to be stored
@@ -164,15 +164,16 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
            doc_ids: Sequence[str | None] | None = None, concurrency: int = 8,
            timeout: float = 600.0, api_key: str | None = None,
            contexts: Sequence[str | None] | None = None,
-           context_tokens: int = 0) -> IngestReport:
+           context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> IngestReport:
     """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
 
     url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
     name; tokenizer: a tokenizer, or a bundled model name or folder to load one from (default:
     `model`); anchor: the connector's (its extra config's "anchor", default "chat"). Each text
     is one completions request of one new token, `concurrency` at a time: vLLM batches them.
-    contexts: the text before each one in its document (None for none), encoded before it when
-    `context_tokens` (the connector's "context_tokens") is set, as `encode_chunks` does.
+    contexts: the text before each one in its document (None for none), encoded before it as
+    `encode_chunks` does, up to `context_tokens` tokens: the connector's "context_tokens", whose
+    default this is (a connector with fewer refuses requests with more).
     A text that cannot be tokenized (empty) raises before anything is sent; a request the server
     refuses is reported in `errors`; a server that cannot be reached raises ConnectionError.
     """

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.prefill.context import DEFAULT_CONTEXT_TOKENS
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.transformers_api import output_cache
 
@@ -41,6 +42,7 @@ def test_blob_is_the_chunk_slice_of_a_causal_forward_after_anchor_and_context(ti
         torch.testing.assert_close(blob.values, values[:, :, len(head):], atol=1e-5, rtol=0)
     # and the context matters: the second chunk alone has other values
     alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", progress=False).encoder.encode(DOC[1])
+    # (encode without contexts: alone, whatever the engine's context_tokens)
     assert (alone.values - engine.blob_for(DOC[1]).values).abs().max() > 1e-3
 
 
@@ -61,8 +63,10 @@ def test_context_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
     store = tmp_path / "kv"
     with_ctx = TurboRAGEngine(tiny_llama, store=store, context_tokens=64, progress=False)
     other = TurboRAGEngine(tiny_llama, store=store, context_tokens=32, progress=False)
-    alone = TurboRAGEngine(tiny_llama, store=store, progress=False)
+    alone = TurboRAGEngine(tiny_llama, store=store, context_tokens=0, progress=False)
     assert with_ctx.fingerprint.encoding.endswith("+context:64")
+    assert TurboRAGEngine(tiny_llama, store=store, progress=False).encoder.context_tokens == \
+        DEFAULT_CONTEXT_TOKENS > 0  # on by default
     assert "context" not in alone.fingerprint.encoding
     assert len({e.fingerprint.id for e in (with_ctx, other, alone)}) == 3
     with_ctx.encode_chunks(DOC[:2], contexts=[None, DOC[0]])

@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_CONTEXT_TOKENS", "CONTEXT_JOIN", "context_token_ids", "docum
            "text_before", "without_overlap"]
 
 # What TurboRAGEngine(context_tokens=) and the vLLM connector default to.
-DEFAULT_CONTEXT_TOKENS = 0
+DEFAULT_CONTEXT_TOKENS = 1024
 CONTEXT_JOIN = "\n\n"  # how prompts join chunks (LlamaIndex, LangChain's format_docs, ours)
 MIN_OVERLAP_CHARS = 16  # a shorter match between two chunks is a coincidence, not an overlap
 # The text kept before tokenizing: enough characters for `context_tokens` tokens (a token is far
