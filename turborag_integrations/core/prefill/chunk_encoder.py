@@ -20,7 +20,7 @@ import torch
 
 from ..errors import EmptyChunkError
 from ..kv.blob import PLAIN, Fingerprint, KVBlob, _digest
-from .context import DEFAULT_CONTEXT_TOKENS, context_token_ids
+from .context import context_token_ids
 from ..transformers_api import output_cache
 
 __all__ = ["ChunkEncoder", "anchor_encoding", "chunk_encoding", "chunk_token_ids", "ProgressFn"]
@@ -69,11 +69,12 @@ class ChunkEncoder:
 
     With `anchor_ids`, every chunk is encoded right after those tokens and keeps only its own
     keys and values (see the module docstring); the blobs' fingerprint records the anchor.
+    `context_tokens` is 0 here (plain blobs, prompt heads); the engine gives chunks its own.
     """
 
     def __init__(self, model, tokenizer, fingerprint: Fingerprint, *, batch_size: int = 8,
                  max_chunk_tokens: int | None = None, anchor_ids: Sequence[int] = (),
-                 learned=None, context_tokens: int = DEFAULT_CONTEXT_TOKENS):
+                 learned=None, context_tokens: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.anchor_ids = list(anchor_ids)
