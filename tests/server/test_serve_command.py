@@ -14,7 +14,7 @@ from turborag_integrations.server import app as server_app
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "adapter": "none", "encoder": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
-            "question_last": False}
+            "question_last": False, "context_tokens": None}
 
 
 def test_serve_options_reach_the_server(monkeypatch):
@@ -28,12 +28,12 @@ def test_serve_options_reach_the_server(monkeypatch):
     result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
                                  "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1",
-                                 "--question-last"])
+                                 "--question-last", "--context-tokens", "256"])
     assert result.exit_code == 0, result.output
     assert {**calls[1], "store": str(calls[1]["store"])} == {
         **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
         "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
-        "question_last": True}
+        "question_last": True, "context_tokens": 256}
     result = runner.invoke(cli, ["serve"], env={"TURBORAG_API_KEY": "k2"})
     assert result.exit_code == 0 and calls[2]["api_key"] == "k2"
 
