@@ -80,7 +80,7 @@ class TurboRAGEngine(ChunkLibrary):
         several: `engine.namespaced(name)` (core/store/namespaces.py).
 
         context_tokens: encode each chunk after up to this many tokens of the text before it
-        in its document (its previous chunk, as ingestion gives it: `encode_chunks(contexts=)`,
+        in its document (the chunks before it, as ingestion gives them: `encode_chunks(contexts=)`,
         the vector stores and the Workspace pass it), the context's KV discarded; 0 encodes
         chunks alone. Offline only: a blob still holds the chunk's own tokens and query time
         is unchanged. Part of the blobs' fingerprint (core/prefill/chunk_encoder.py).

@@ -95,7 +95,7 @@ class ChunkLibrary:
                       progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Encode and store the blobs of `texts` (skipping those already stored); return keys.
 
-        contexts: for each text, the text before it in its document (its previous chunk), or
+        contexts: for each text, the text before it in its document (prefill/context.py), or
         None; an engine made with `context_tokens` encodes each chunk after the end of it
         (core/prefill/chunk_encoder.py), others ignore it. A blob is keyed by its chunk's
         tokens alone, so that any prompt holding the text finds it: a text stored already keeps

@@ -33,9 +33,14 @@ CHARS_PER_TOKEN = 16
 def without_overlap(before: str, chunk: str) -> str:
     """`before` less its tail that `chunk` repeats: splitters overlap consecutive chunks (by 200
     tokens in LlamaIndex's default), and the text before a chunk is what precedes that overlap."""
-    for k in range(min(len(before), len(chunk)), MIN_OVERLAP_CHARS - 1, -1):
-        if before.endswith(chunk[:k]):
-            return before[:-k]
+    # An overlap starts where `chunk`'s first characters occur in `before`'s tail: only those
+    # places are compared, the earliest (the longest overlap) first.
+    head = chunk[:MIN_OVERLAP_CHARS]
+    start = max(0, len(before) - len(chunk))
+    while len(head) == MIN_OVERLAP_CHARS and (i := before.find(head, start)) != -1:
+        if chunk.startswith(before[i:]):
+            return before[:i]
+        start = i + 1
     return before
 
 
