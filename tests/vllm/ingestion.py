@@ -4,9 +4,9 @@ kv_both), against ChunkEncoder's.
     .venv-vllm/bin/python tests/vllm/ingestion.py MODEL_DIR OUT.json
 
 One vLLM (float32, encoder none, the chat anchor, 32 context tokens) ingests the chunks, one
-of them after its context; the HF engine encodes the
-same chunks with ChunkEncoder into another store; both stores' blobs and the answers stitched
-from them are compared. Writes one JSON object; tests/vllm/test_vllm_ingestion.py asserts on it.
+of them after its context (replacing the blob an HF engine encoded alone); the HF engine
+encodes the same chunks with ChunkEncoder into another store; both stores' blobs and the
+answers stitched from them are compared. Writes one JSON object; tests/vllm/test_vllm_ingestion.py asserts on it.
 """
 
 from __future__ import annotations
@@ -103,6 +103,12 @@ def main(model_dir: str, out_path: str) -> None:
     results["tenant"] = first[len(texts)]
     results["no_anchor"] = first[len(texts) + 1]
     results["again"] = ingest([(prompts[1], ingest_params())])[0]
+    # AFTER was retrieved before its document was ingested: an HF engine on the same store
+    # encoded it alone, at query time; the ingestion after its context replaces that blob
+    from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False,
+                               context_tokens=CONTEXT_TOKENS)
+    from_vllm.prepare_chunks([AFTER])
+    results["alone_base_position"] = from_vllm.blob_for(AFTER).base_position
     context = context_token_ids(engine.tokenizer, CHUNKS[0], CONTEXT_TOKENS)
     results["context_len"] = len(context)
     results["context_ingested"] = ingest([(
@@ -157,8 +163,6 @@ def main(model_dir: str, out_path: str) -> None:
 
     # answers stitched from either store's blobs: the HF engine's turbo mode, and vLLM's
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False,
-                               context_tokens=CONTEXT_TOKENS)
     answers = {}
     for name, chunks, q in (("three", CHUNKS[:3], "Who completed the Varnholt bridge, and when?"),
                             ("long", [LONG, CHUNKS[3]], "When did the canal reopen?")):

@@ -47,9 +47,12 @@ def test_vllm_made_blobs_equal_chunk_encoders(ingested):
 
 def test_a_chunk_ingested_after_its_context_equals_chunk_encoders(ingested):
     """A request of anchor + context + chunk, its context length in kv_transfer_params, stores
-    the blob the HF engine encodes for that chunk after that text."""
+    the blob the HF engine encodes for that chunk after that text, in place of the blob
+    encoded alone that was stored under its key."""
     made = ingested["context_ingested"]
     assert made["stored"] and made["key"] == ingested["context_hf_key"]
+    assert made["replaced"] and not made["existing"]
+    assert ingested["alone_base_position"] == ingested["anchor_len"]
     case = ingested["context_compare"]
     assert case["found"] and case["fingerprint"] and case["token_ids"] and case["shape"]
     assert ingested["context_len"] == 32

@@ -100,40 +100,72 @@ class ChunkLibrary:
         (core/prefill/chunk_encoder.py), others ignore it. A blob is keyed by its chunk's
         tokens alone, so that any prompt holding the text finds it: a text stored already keeps
         its blob, whatever came before it the first time (text repeated across documents is
-        mostly boilerplate, and one blob per text is what a prompt can look up)."""
+        mostly boilerplate, and one blob per text is what a prompt can look up) — except a blob
+        encoded alone (at query time, `prepare_chunks`, where a chunk has no document), which
+        a context given here replaces."""
         if contexts is not None and len(contexts) != len(texts):
             raise ValueError(f"{len(contexts)} contexts for {len(texts)} chunks: give one per "
                              "chunk (None for a document's first)")
         ids = [self.encoder.tokenize(t) for t in texts]
         keys = [self.store.key(self.fingerprint, i) for i in ids]
+        context: dict[int, list[int]] = {}  # context ids of the chunks to encode
         first: dict[str, int] = {}  # encode each distinct chunk once
+        replace: set[str] = set()
         pending_refs: list[tuple[str, str]] = []
         todo = []
         for i, k in enumerate(keys):
-            if self.store.contains(k):
+            if k in first:
                 if doc_ids and doc_ids[i]:
-                    self.store.add_ref(k, doc_ids[i])
-            elif k not in first:
-                first[k] = i
-                todo.append(i)
-            elif doc_ids and doc_ids[i]:
-                pending_refs.append((k, doc_ids[i]))
+                    pending_refs.append((k, doc_ids[i]))
+                continue
+            if self.store.contains(k):
+                # only a blob encoded alone is replaced, and only by one with a context
+                upgrade = self._wants_context(i, contexts) and self._encoded_alone(k)
+                context[i] = self._context_of(i, contexts, ids, texts) if upgrade else []
+                if not context[i]:
+                    if doc_ids and doc_ids[i]:
+                        self.store.add_ref(k, doc_ids[i])
+                    continue
+                replace.add(k)
+            else:
+                context[i] = self._context_of(i, contexts, ids, texts)
+            first[k] = i
+            todo.append(i)
+        if replace:
+            log.info("re-encoding %d stored chunk(s) after their document's context: they "
+                     "were encoded alone, at query time", len(replace))
         done_before = len(texts) - len(todo)
         if progress:
             progress(done_before, len(texts))
         step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
-            context = None if contexts is None else [
-                self.encoder.context_ids(contexts[i], len(ids[i]), texts[i]) for i in batch]
-            blobs = self.encoder.encode_ids([ids[i] for i in batch], contexts=context)
+            blobs = self.encoder.encode_ids([ids[i] for i in batch],
+                                            contexts=[context[i] for i in batch])
             for i, blob in zip(batch, blobs):
-                self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
+                self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None,
+                               replace=keys[i] in replace)
             if progress:
                 progress(done_before + start + len(batch), len(texts))
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
         return keys
+
+    def _wants_context(self, i: int, contexts: Sequence[str | None] | None) -> bool:
+        return bool(contexts is not None and contexts[i] and self.encoder.context_tokens)
+
+    def _context_of(self, i: int, contexts: Sequence[str | None] | None,
+                    ids: Sequence[Sequence[int]], texts: Sequence[str]) -> list[int]:
+        """The context ids chunk i is encoded after: [] without a context or context encoding."""
+        if not self._wants_context(i, contexts):
+            return []
+        return self.encoder.context_ids(contexts[i], len(ids[i]), texts[i])
+
+    def _encoded_alone(self, key: str) -> bool:
+        """Whether the blob stored under key was encoded with no context before it: its first
+        token sat right after the anchor (and soft tokens). Read from its header only."""
+        found = self.store.peek(key)
+        return found is not None and found.base_position == self.encoder.base_position
 
     def encode_separators(self) -> list[str]:
         """Store the stock separators between chunks ("\\n\\n", "\\n", …) encoded like chunks,

@@ -65,7 +65,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -468,6 +468,13 @@ class TurboRAGConnector(KVConnectorBase_V1):
         store = self._store.namespace(plan.namespace)
         key = store.key(self.chunk_fp, plan.chunk_ids)
         existing = store.contains(key)
+        alone = len(self._setup.anchor_ids)  # ingestion runs only without soft tokens
+        if existing and plan.anchor_len > alone:
+            # as encode_chunks does: a blob encoded alone (at query time, by an HF engine on
+            # the same store) gives way to this one, encoded after its document's context
+            found = store.peek(key)
+            if found is not None and found.base_position == alone:
+                existing, plan = False, replace(plan, replace=True)
         if existing and plan.doc_id:
             store.add_ref(key, plan.doc_id)  # as encode_chunks records a chunk stored before
         return Ingestion(plan, key, existing=existing)
@@ -478,15 +485,23 @@ class TurboRAGConnector(KVConnectorBase_V1):
         plan = ingestion.plan
         # the worker stored it (or failed) in the step that completed the prompt, before vLLM
         # finished the request: the store says which
-        stored = ingestion.existing or (
-            ingestion.sent and self._store.namespace(plan.namespace).contains(ingestion.key))
+        stored = ingestion.existing or (ingestion.sent and self._saved(ingestion))
         result = {"key": ingestion.key, "tokens": len(plan.chunk_ids), "stored": stored,
-                  "existing": ingestion.existing}
+                  "existing": ingestion.existing, "replaced": plan.replace and stored}
         if not stored:
             result["error"] = ("the worker did not store the blob (vLLM's log says why)"
                                if ingestion.sent else
                                "the request ended before its prompt was computed")
         return result
+
+    def _saved(self, ingestion: Ingestion) -> bool:
+        """Whether the store holds this ingestion's blob; where it replaces one encoded alone,
+        whether the blob now stored is the new one (it records the context in its position)."""
+        store = self._store.namespace(ingestion.plan.namespace)
+        if not ingestion.plan.replace:
+            return store.contains(ingestion.key)
+        found = store.peek(ingestion.key)
+        return found is not None and found.base_position == ingestion.plan.anchor_len
 
     def _schedule_saves(self, meta: TurboRAGConnectorMetadata, scheduler_output) -> None:
         """Hand the worker each ingestion request whose prompt this step completes, with all its
@@ -697,7 +712,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 blob = KVBlob(token_ids=torch.tensor(plan.chunk_ids, dtype=torch.long),
                               keys=keys, values=values,
                               fingerprint=meta.chunk_fp, base_position=plan.anchor_len)
-                self._store.namespace(plan.namespace).put(blob, doc_id=plan.doc_id)
+                self._store.namespace(plan.namespace).put(blob, doc_id=plan.doc_id,
+                                                          replace=plan.replace)
             except Exception as exc:
                 log.warning("TurboRAG: the chunk of request %s was not stored: %s",
                             save.req_id, exc)

@@ -57,6 +57,7 @@ class IngestPlan:
     # blob's base_position
     namespace: str = ""
     doc_id: str | None = None
+    replace: bool = False  # the stored blob under its key was encoded alone: overwrite it
 
     @property
     def prompt_len(self) -> int:

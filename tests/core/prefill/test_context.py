@@ -159,3 +159,36 @@ def test_the_text_before_a_chunk_is_its_documents_pieces_so_far():
     assert document_contexts(pieces, 0) == [None, None, None]
     short = text_before(reversed(pieces[:2]), pieces[2], 1)
     assert short == contexts[2][-CHARS_PER_TOKEN:]  # only as much as one token can hold
+
+
+def test_ingestion_replaces_blobs_encoded_alone_with_context_blobs(tiny, tmp_path):
+    """A chunk retrieved before its document was ingested with context (a store from an older
+    release, or a LlamaIndex postprocessor's `encode_missing`) was encoded alone at query time;
+    ingesting its document later replaces that blob with the one after its context, and leaves
+    blobs that already had one (or need none) as they are."""
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", context_tokens=12, progress=False)
+    alone_at = engine.encoder.base_position
+    engine.prepare_chunks([DOC[0], DOC[1]])  # query time: no document, so encoded alone
+    assert engine.blob_for(DOC[1]).base_position == alone_at
+    first = engine.blob_for(DOC[0]).keys.clone()
+    writes = engine.store.stats().writes
+
+    engine.encode_chunks(DOC, contexts=[None, *DOC[:-1]], doc_ids=["d"] * 4)
+    fresh = TurboRAGEngine(tiny, store=tmp_path / "kv2", context_tokens=12, progress=False)
+    fresh.encode_chunks(DOC, contexts=[None, *DOC[:-1]])
+    for text in DOC:
+        got, want = engine.blob_for(text), fresh.blob_for(text)
+        assert got.base_position == want.base_position
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert engine.blob_for(DOC[1]).base_position > alone_at
+    # the document's first chunk has no context: its blob stayed, not rewritten
+    assert torch.equal(engine.blob_for(DOC[0]).keys, first)
+    assert engine.store.stats().writes == writes + 3  # DOC[1] replaced, DOC[2:] new
+    assert sorted(engine.forget_document("d")) == sorted(engine.chunk_key(t) for t in DOC)
+
+    # an engine without context encoding never replaces anything
+    plain = TurboRAGEngine(tiny, store=tmp_path / "kv3", context_tokens=0, progress=False)
+    plain.prepare_chunks([DOC[1]])
+    writes = plain.store.stats().writes
+    plain.encode_chunks(DOC[:2], contexts=[None, DOC[0]])
+    assert plain.store.stats().writes == writes + 1  # DOC[0] only

@@ -72,3 +72,14 @@ def test_a_namespace_peeks_only_its_own_keys(tmp_path):
     key = store.namespace("acme").put(make_blob(0))
     assert store.namespace("acme").peek(key).token_ids == tuple(range(8))
     assert store.peek(key) is None and store.namespace("globex").peek(key) is None
+
+
+def test_peek_gives_the_base_position(tmp_path):
+    """Ingestion reads where a stored blob's first token sat (after the anchor alone, or after
+    a context too) from its header, to replace blobs encoded alone."""
+    store = disk_store(tmp_path)
+    blob = make_blob(0, tokens=8)
+    blob.base_position = 37
+    key = store.put(blob)
+    assert store.peek(key).base_position == 37
+    assert KVStore(tmp_path / "m", remote_url="").memory.peek(key) is None

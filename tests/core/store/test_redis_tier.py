@@ -332,3 +332,16 @@ def test_peek_while_redis_is_down_is_a_miss(tmp_path):
         tier.put(blob.key, blob)
     assert tier.peek(blob.key) is None  # the server is gone: one failure, then skipped
     tier.close()
+
+
+def test_replace_rewrites_the_shared_entry(tmp_path, server, client):
+    """The Redis tier keeps an entry's first write; put(replace=True) puts the new blob there,
+    so that another store reads the new one."""
+    a = KVStore(tmp_path / "a", remote_url=server.url)
+    old, new = make_blob(), make_blob()
+    new.base_position = 9
+    key = a.put(old)
+    a.put(new, replace=True)
+    got = KVStore(tmp_path / "b", remote_url=server.url).get(key, FP)
+    assert torch.equal(got.keys, new.keys) and got.base_position == 9
+    a.close()

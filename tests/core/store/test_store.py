@@ -10,6 +10,7 @@ from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.store import KVStore
 from tests.conftest import tiny_model
 from tests.core.store.bounds import KEY_GROUP, assert_within_storage_bound
+from tests.core.store.test_tiers import make_blob
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,22 @@ def test_int8_key_groups_span_many_tokens(tmp_path):
     got = store.get(store.put(blob), fp)
     assert_within_storage_bound(got.keys, keys, "int8", "keys")
     assert_within_storage_bound(got.values, values, "int8", "values")
+
+
+def test_replace_overwrites_every_tier_and_keeps_the_documents(tmp_path):
+    """put(replace=True): the new blob under the same key in the disk tier, the memory tier's
+    copy of the old one gone, the documents that use the key still recorded."""
+    store = KVStore(tmp_path / "kv", remote_url="")
+    old = make_blob(0, tokens=8)
+    key = store.put(old, doc_id="a")
+    assert torch.equal(store.get(key).keys, old.keys) and store.memory.contains(key)
+    new = make_blob(0, tokens=8)
+    new.base_position = 5
+    assert store.put(new, doc_id="b") == key  # same tokens, same fingerprint: same key
+    assert torch.equal(store.get(key).keys, old.keys)  # without replace the first one stays
+    store.put(new, replace=True)
+    got = store.get(key)
+    assert torch.equal(got.keys, new.keys) and got.base_position == 5
+    assert KVStore(tmp_path / "kv", remote_url="").get(key).base_position == 5  # on disk too
+    assert store.delete_doc("a") == [] and store.delete_doc("b") == [key]  # refs kept
+    store.close()

@@ -171,19 +171,22 @@ def fingerprint_of(meta: dict) -> Fingerprint:
 
 @dataclass(frozen=True)
 class BlobSummary:
-    """What a blob is of, without its keys and values: its fingerprint and token ids."""
+    """What a blob is of, without its keys and values: its fingerprint, token ids and base
+    position (where its first token sat when it was encoded: the anchor's and any context's
+    length)."""
 
     fingerprint: Fingerprint
     token_ids: tuple[int, ...]
+    base_position: int = 0
 
     @classmethod
     def of(cls, blob: KVBlob) -> "BlobSummary":
-        return cls(blob.fingerprint, tuple(blob.token_ids.tolist()))
+        return cls(blob.fingerprint, tuple(blob.token_ids.tolist()), blob.base_position)
 
 
 def summary(read: Callable[[int, int], bytes]) -> BlobSummary:
-    """A stored blob's fingerprint and token ids from three small reads of its file (`read(offset,
-    length)`): the header's length, the header, the token ids. Nothing is verified — the
+    """A stored blob's fingerprint, token ids and base position from three small reads of its
+    file (`read(offset, length)`): the header's length, the header, the token ids. Nothing is verified — the
     checksum covers the whole file, which is the point not to read — so the caller checks the
     ids against the blob's content address (`chunk_key`), which they must reproduce."""
     head = read(0, 8)
@@ -204,4 +207,8 @@ def summary(read: Callable[[int, int], bytes]) -> BlobSummary:
     if len(raw) != end - begin or (end - begin) % dtype.itemsize or dtype.is_floating_point:
         raise BlobCorrupted("the token ids are truncated or not integers")
     ids = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-    return BlobSummary(fingerprint_of(meta), tuple(int(i) for i in ids.tolist()))
+    try:
+        base = int(meta.get("base_position", 0))
+    except ValueError:
+        raise BlobCorrupted(f"unreadable base position {meta['base_position']!r}") from None
+    return BlobSummary(fingerprint_of(meta), tuple(int(i) for i in ids.tolist()), base)

@@ -175,9 +175,15 @@ class KVStore:
             self._stats.count_hit(tier.name)
 
     # ---- write ------------------------------------------------------------------------------
-    def put(self, blob: KVBlob, *, doc_id: str | None = None, kind: str = "chunk") -> str:
+    def put(self, blob: KVBlob, *, doc_id: str | None = None, kind: str = "chunk",
+            replace: bool = False) -> str:
         """Store a blob in every write-through tier (no rewrite where it is already there) and
         record its document. Cache tiers are filled by reads, not here.
+
+        `replace`: write it even where a blob is stored under its key (the same tokens and
+        fingerprint, encoded after another context: `ChunkLibrary.encode_chunks`), and drop the
+        cache tiers' copies of the old one. The documents recorded for the key stay. A reader
+        between the delete and the write misses, as for a blob not yet stored.
 
         `kind` is "chunk" (a document's chunk, the default) or "prefix" (a prompt head or a
         RAPID document prefix: written per query, so the disk tier bounds them apart, see
@@ -189,6 +195,10 @@ class KVStore:
             raise ValueError(f"a blob's kind is one of {KINDS}, not {kind!r}")
         key = self.key(blob.fingerprint, blob.token_ids.tolist())
         for tier in self._open_tiers():
+            if replace:
+                # each tier keeps an entry's first write (Redis) or counts its bytes (disk):
+                # the old entry goes first
+                tier.delete(key)
             if kind == "prefix" and tier is not self.disk:
                 continue
             if tier.write_through and not tier.contains(key):
