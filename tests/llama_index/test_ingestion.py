@@ -213,3 +213,46 @@ def test_an_llm_that_loads_its_own_engine_takes_context_tokens(model_dir, tmp_pa
     assert llm._engine.fingerprint.encoding.endswith("+context:8")
     with pytest.raises(pydantic.ValidationError):
         TurboRAGLLM(model_name=str(model_dir), context_tokens=-1)
+
+
+def test_ingesting_a_document_replaces_the_blobs_its_nodes_got_when_retrieved(tmp_path,
+                                                                               embed_model):
+    """Nodes retrieved from an index built without the wrapper get blobs encoded alone from the
+    postprocessor (they have no document there); ingesting the document through the wrapper
+    later gives every node after the first the blob encoded after its context, as a fresh
+    ingestion would."""
+    from llama_index.core.schema import NodeWithScore
+
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.llama_index import KVCachePostprocessor
+    from tests.conftest import tiny_model
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", context_tokens=24,
+                            progress=False)
+    text = " ".join(f"Sentence number {i} says the harbour froze in year {1900 + i}."
+                    for i in range(12))
+    splitter = SentenceSplitter(chunk_size=48, chunk_overlap=0)
+    nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
+    KVCachePostprocessor(engine).postprocess_nodes([NodeWithScore(node=n) for n in nodes])
+    alone = engine.encoder.base_position
+    assert {engine.blob_for(llm_text(n)).base_position for n in nodes} == {alone}
+
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    VectorStoreIndex.from_documents(
+        [Document(text=text, id_="doc")], embed_model=embed_model,
+        storage_context=StorageContext.from_defaults(vector_store=store),
+        transformations=[splitter])
+    fresh = TurboRAGEngine(engine.loaded, store=tmp_path / "kv2", context_tokens=24,
+                           progress=False)
+    fresh_store = KVCachingVectorStore(fresh, path=tmp_path / "chroma2")
+    VectorStoreIndex.from_documents(
+        [Document(text=text, id_="doc")], embed_model=embed_model,
+        storage_context=StorageContext.from_defaults(vector_store=fresh_store),
+        transformations=[splitter])
+    positions = []
+    for node in store.get_nodes():
+        got, want = engine.blob_for(llm_text(node)), fresh.blob_for(llm_text(node))
+        positions.append(got.base_position)
+        assert got.base_position == want.base_position
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert sorted(positions)[0] == alone < sorted(positions)[1]  # only the first is alone
