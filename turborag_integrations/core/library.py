@@ -164,8 +164,7 @@ class ChunkLibrary:
     def _encoded_alone(self, key: str) -> bool:
         """Whether the blob stored under key was encoded with no context before it: its first
         token sat right after the anchor (and soft tokens). Read from its header only."""
-        found = self.store.peek(key)
-        return found is not None and found.base_position == self.encoder.base_position
+        return self.store.base_position(key) == self.encoder.base_position
 
     def encode_separators(self) -> list[str]:
         """Store the stock separators between chunks ("\\n\\n", "\\n", …) encoded like chunks,

@@ -472,8 +472,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if existing and plan.anchor_len > alone:
             # as encode_chunks does: a blob encoded alone (at query time, by an HF engine on
             # the same store) gives way to this one, encoded after its document's context
-            found = store.peek(key)
-            if found is not None and found.base_position == alone:
+            if store.base_position(key) == alone:
                 existing, plan = False, replace(plan, replace=True)
         if existing and plan.doc_id:
             store.add_ref(key, plan.doc_id)  # as encode_chunks records a chunk stored before
@@ -500,8 +499,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
         store = self._store.namespace(ingestion.plan.namespace)
         if not ingestion.plan.replace:
             return store.contains(ingestion.key)
-        found = store.peek(ingestion.key)
-        return found is not None and found.base_position == ingestion.plan.anchor_len
+        return store.base_position(ingestion.key) == ingestion.plan.anchor_len
 
     def _schedule_saves(self, meta: TurboRAGConnectorMetadata, scheduler_output) -> None:
         """Hand the worker each ingestion request whose prompt this step completes, with all its

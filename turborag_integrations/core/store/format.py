@@ -186,9 +186,10 @@ class BlobSummary:
 
 def summary(read: Callable[[int, int], bytes]) -> BlobSummary:
     """A stored blob's fingerprint, token ids and base position from three small reads of its
-    file (`read(offset, length)`): the header's length, the header, the token ids. Nothing is verified — the
-    checksum covers the whole file, which is the point not to read — so the caller checks the
-    ids against the blob's content address (`chunk_key`), which they must reproduce."""
+    file (`read(offset, length)`): the header's length, the header, the token ids. Nothing is
+    verified — the checksum covers the whole file, which is the point not to read — so the
+    caller checks the ids against the blob's content address (`chunk_key`), which they must
+    reproduce."""
     head = read(0, 8)
     if len(head) < 8:
         raise BlobCorrupted("file too short to be a blob")

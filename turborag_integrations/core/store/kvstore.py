@@ -273,6 +273,12 @@ class KVStore:
                     return found
         return None
 
+    def base_position(self, key: str) -> int | None:
+        """Where key's blob had its first token when it was encoded (after the anchor alone, or
+        after a context too), read as `peek` reads; None on a miss."""
+        found = self.peek(key)
+        return None if found is None else found.base_position
+
     def _find(self, tiers: tuple[Tier, ...], key: str) -> tuple[int, KVBlob] | None:
         """The first tier (by index) that holds a sound entry for key, with that entry."""
         for depth, tier in enumerate(tiers):
