@@ -7,6 +7,7 @@
     python benchmarks/pipelines.py --recovery boundary:32            # TurboRAG with recovery
     python benchmarks/pipelines.py --per-item                        # the old per-item corpora
     python benchmarks/pipelines.py --out answers.jsonl               # every reply, one per line
+    python benchmarks/pipelines.py --store kv/                       # keep (and reuse) the blobs
 
 The JSONL set has lines {"id", "question", "answers": [...], "chunks": [...], "gold": [indices
 into chunks], "unanswerable": bool}. Corpus (an item's chunks are one document's sections in
@@ -406,6 +407,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file, each as "
                     "it comes (a stopped run keeps what it made)")
+    ap.add_argument("--store", type=Path, default=None, metavar="DIR",
+                    help="keep the KV store in DIR instead of a temporary folder: a later run "
+                         "with the same model and encoding reads the stored blobs instead of "
+                         "encoding the corpus again (blobs of another encoding are never used)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
@@ -428,6 +433,8 @@ def main(argv=None) -> int:
         if not sep or not key.strip():
             ap.error(f"--engine-arg expects KEY=VALUE, got {spec!r}")
         engine_args[key.strip()] = parse_value(value)
+    if args.store is not None and "store" in engine_args:
+        ap.error("give the store once: --store DIR or --engine-arg store=DIR, not both")
     from turborag_integrations.core.prefill.recovery import parse_recovery
 
     try:
@@ -469,7 +476,8 @@ def main(argv=None) -> int:
             tempfile.TemporaryDirectory(prefix="turborag-pipelines-",
                                         ignore_cleanup_errors=True) as tmp:
         workdir = Path(tmp)
-        kwargs = {"store": str(workdir / "kv"), "progress": False, **engine_args}
+        store = args.store if args.store is not None else workdir / "kv"
+        kwargs = {"store": str(store), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
         runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery)
                    for p in pipelines]
@@ -521,6 +529,7 @@ def main(argv=None) -> int:
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
                 "engine_args": engine_args, "recovery": args.recovery, "pipelines": pipelines,
+                "store": None if args.store is None else str(args.store),
                 "corpus": "per-item" if k is None else "shared", "k": k,
                 "corpus_chunks": (sum(len(it["chunks"]) for it in items) if k is None
                                   else len(corpus)),

@@ -141,11 +141,40 @@ def test_out_keeps_the_replies_of_a_run_that_is_stopped(bench, data, model_dir, 
     assert all("reply" in r for r in rows)
 
 
+def test_store_keeps_the_blobs_and_a_second_run_encodes_nothing(bench, data, model_dir, tmp_path,
+                                                                capsys, monkeypatch):
+    """--store DIR: the first run encodes the corpus into DIR; a second run over the same set
+    reads every blob from it (not one blob written) and answers byte for byte alike."""
+    from turborag_integrations.core.store.kvstore import KVStore
+
+    written = []
+    original = KVStore.put
+
+    def put(self, blob, *args, **kwargs):
+        written.append(blob)
+        return original(self, blob, *args, **kwargs)
+    monkeypatch.setattr(KVStore, "put", put)
+    store = tmp_path / "kv"
+    runs = []
+    for n in (1, 2):
+        out = tmp_path / f"rows{n}.jsonl"
+        report = run_json(bench, capsys, data, "--model", model_dir, "--pipelines", "langchain",
+                          "--max-new-tokens", 3, "--json", "--out", out, "--store", store)
+        assert report["store"] == str(store)
+        runs.append(([json.loads(line) for line in out.read_text().splitlines()], len(written)))
+        written.clear()
+    (first, first_written), (second, second_written) = runs
+    assert first_written >= len(DISTINCT) and second_written == 0
+    assert [r["reply"] for r in second] == [r["reply"] for r in first]
+    assert all(r["cache_hits"] > 0 for r in second if r["mode"] == "turbo")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--k", "0"], "--k must be ≥ 1"),
     (["--k", "-3"], "--k must be ≥ 1"),
     (["--per-item", "--k", "3"], "--per-item retrieves every chunk"),
     (["--recovery", "edges:3"], "--recovery: unknown recovery 'edges:3'"),
+    (["--store", "kv", "--engine-arg", "store=kv2"], "--store DIR or --engine-arg store=DIR"),
 ])
 def test_bad_k_is_refused_with_a_clear_message(bench, data, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
