@@ -48,6 +48,9 @@ def finetune_command(
     save_every: int = typer.Option(0, help="--encoder: also save every N steps"),
     init: Optional[Path] = typer.Option(None, help="--encoder: continue training this encoder "
                                         "file (same model, anchor, soft tokens and rank)"),
+    context_tokens: int = typer.Option(0, help="--encoder: encode each training chunk after up "
+                                       "to N tokens of text before it, as the engine's "
+                                       "context encoding does (0: each chunk alone)"),
     eval_set: Optional[list[Path]] = typer.Option(
         None, "--eval-set", help="evaluation sets the training data must not share a question "
         "or chunk with (repeatable; default: the bundled hand-written dev and held-out sets)"),
@@ -67,7 +70,7 @@ def finetune_command(
                             soft_tokens=soft_tokens, lora_rank=lora_rank if lora else 0,
                             anchor=anchor, ce_weight=ce_weight, max_tokens=max_tokens,
                             min_chunks=min_chunks, seed=seed, save_every=save_every,
-                            init=str(init) if init else None)
+                            init=str(init) if init else None, context_tokens=context_tokens)
         try:
             summary = distill(cfg, eval_sets=eval_sets, log=lambda m: typer.echo(m, err=True))
         except (TurboRAGError, ValueError, ImportError) as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -29,6 +29,7 @@ import torch
 
 from ..core.models import load_model
 from ..core.prefill.anchor import anchor_ids
+from ..core.prefill.context import CONTEXT_JOIN, context_token_ids
 from ..core.kv.blob import fingerprint_model
 from ..core.prefill.encoding import LearnedEncoding, new_lora
 from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
@@ -52,6 +53,9 @@ class DistillConfig(optim.TrainingRun):
     min_chunks: int = 1
     save_every: int = 0  # also write the encoder every N steps (a long run can be stopped)
     init: str | None = None  # continue from this encoder file (its soft tokens and LoRA)
+    # Train on chunks encoded after a context, as the engine encodes them by default
+    # (core/prefill/context.py): up to this many tokens of text before each chunk (0: alone).
+    context_tokens: int = 0
 
 
 @dataclass
@@ -64,18 +68,24 @@ class DistillExample:
     chunk_spans: list[tuple[int, int, int]]  # the chunks among them (not the plain prompt head)
     reply_at: int  # like teacher_reply_at, in the layout
     reply: list[int]
+    soft_at: list[int] = field(default_factory=list)  # where each chunk span's soft slots start
+    context_len: int = 0  # context tokens in the layout (none in the teacher)
 
     def mask(self) -> torch.Tensor:
         return independent_attention_mask(len(self.ids), self.spans)
 
 
 def make_example(tok, prompt: str, chunk_texts: Sequence[str], completion: str,
-                 anchor: Sequence[int], num_soft: int, pad_id: int) -> DistillExample:
+                 anchor: Sequence[int], num_soft: int, pad_id: int,
+                 contexts: Sequence[Sequence[int]] | None = None) -> DistillExample:
     """Teacher and student sequences of one rendered prompt and its completion.
 
     The student's prompt is split and tokenized exactly as the engine splits it (training and
     inference must see the same tokens); each chunk span starts with its copy of the anchor and
-    `num_soft` placeholder slots, which the soft tokens' embeddings replace in the forward."""
+    `num_soft` placeholder slots, which the soft tokens' embeddings replace in the forward.
+    `contexts` (one token-id list per chunk text, from `ChunkEncoder.context_ids`) puts each
+    chunk's context between its anchor and its soft slots, hidden from the rest of the prompt
+    like the anchor: the layout of a blob encoded after its document's text."""
     head = list(anchor) + [pad_id] * num_soft
     segments = prompt_segments(tok, prompt, chunk_texts, anchor_len=len(head))
     plan = plan_prompt(segments, tok)
@@ -84,14 +94,73 @@ def make_example(tok, prompt: str, chunk_texts: Sequence[str], completion: str,
     start = plan.next_position + len(head)
     # the prompt's head (text before the first chunk) is cached plain, never with the encoder
     has_head = bool(segments) and getattr(segments[0].blob, "is_head", False)
-    chunk_spans = [s for s in lay.spans if not (has_head and s[0] == 0)]
+    span_ctx = _span_contexts(segments, plan, chunk_texts, contexts)
+    ids, positions, spans, chunk_spans, soft_at = _with_contexts(
+        lay, span_ctx, len(anchor), num_soft, skip_first=has_head)
     teacher = tok(prompt, add_special_tokens=False)["input_ids"]
-    return DistillExample(teacher + reply, len(teacher) - 1, lay.token_ids + reply,
-                          lay.positions + list(range(start, start + len(reply))), lay.spans,
-                          chunk_spans, len(lay.token_ids) - 1, reply)
+    return DistillExample(teacher + reply, len(teacher) - 1, ids + reply,
+                          positions + list(range(start, start + len(reply))), spans,
+                          chunk_spans, len(ids) - 1, reply, soft_at,
+                          sum(len(c) for c in span_ctx))
 
 
-def student_logits(model, enc: LearnedEncoding, ex: DistillExample, anchor_len: int,
+def _span_contexts(segments, plan, chunk_texts: Sequence[str],
+                   contexts: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """The context ids of each of the plan's cached spans, in order: its chunk's, or none (the
+    prompt's head, a separator encoded like a chunk)."""
+    if contexts is None:
+        return [[] for _ in plan.spans]
+    if len(contexts) != len(chunk_texts):
+        raise ValueError(f"{len(contexts)} contexts for {len(chunk_texts)} chunks: give one per "
+                         "chunk (empty for none)")
+    by_text: dict[str, list[list[int]]] = {}
+    for text, ctx in zip(chunk_texts, contexts):
+        by_text.setdefault(text.strip(), []).append(list(ctx))
+    of_blob = {}
+    for seg in segments:
+        queue = by_text.get(seg.text.strip()) if seg.blob is not None else None
+        if queue:
+            of_blob[id(seg.blob)] = queue.pop(0)
+    return [of_blob.get(id(span.blob), []) for span in plan.spans]
+
+
+def _with_contexts(lay, span_ctx: Sequence[Sequence[int]], anchor_len: int, num_soft: int,
+                   skip_first: bool):
+    """The layout with each span's context inserted after its anchor copy (and before its soft
+    slots), as ChunkEncoder.encode_ids lays a chunk out: the span's hidden head grows by the
+    context, and its positions run back from the chunk's first token (RoPE sees only the
+    distances, which equal the encoder's)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    chunk_spans: list[tuple[int, int, int]] = []
+    soft_at: list[int] = []
+    by_start = {s: (length, hidden, list(ctx))
+                for (s, length, hidden), ctx in zip(lay.spans, span_ctx)}
+    i = 0
+    while i < len(lay.token_ids):
+        if i not in by_start:
+            ids.append(lay.token_ids[i])
+            pos.append(lay.positions[i])
+            i += 1
+            continue
+        length, hidden, ctx = by_start[i]
+        head = lay.token_ids[i:i + hidden]
+        if ctx:
+            head = head[:anchor_len] + ctx + head[anchor_len:]
+        first = lay.positions[i + hidden]  # the chunk's first token (or the span's, hidden 0)
+        span = (len(ids), length + len(ctx), hidden + len(ctx))
+        ids.extend(head + lay.token_ids[i + hidden:i + length])
+        pos.extend(list(range(first - len(head), first)) + lay.positions[i + hidden:i + length])
+        spans.append(span)
+        if not (skip_first and span[0] == 0):
+            chunk_spans.append(span)
+            soft_at.append(span[0] + span[2] - num_soft)
+        i += length
+    return ids, pos, spans, chunk_spans, soft_at
+
+
+def student_logits(model, enc: LearnedEncoding, ex: DistillExample,
                    num_reply: int | None = None) -> torch.Tensor:
     """[reply, vocab] float32 logits of the stitched forward at the reply positions, the
     encoder's LoRA on the chunk spans only (the definition the engine reproduces: a blob's KV is
@@ -100,14 +169,12 @@ def student_logits(model, enc: LearnedEncoding, ex: DistillExample, anchor_len: 
     dtype = next(model.parameters()).dtype
     n = len(ex.ids)
     ids = torch.tensor([ex.ids], device=device)
-    soft_at = None
-    if enc.num_soft:
-        # every chunk span has its own soft slots: write them one span at a time
-        soft_at = [s + anchor_len for s, _, _ in ex.chunk_spans]
     embeds = model.get_input_embeddings()(ids)
-    if soft_at:
+    if enc.num_soft:
+        # every chunk span has its own soft slots (after its anchor and context, right before
+        # the chunk): write them one span at a time
         soft = enc.soft.to(dtype)
-        for at in soft_at:
+        for at in ex.soft_at:
             embeds = torch.cat([embeds[:, :at], soft[None], embeds[:, at + enc.num_soft:]], dim=1)
     token_mask = torch.zeros(1, n, device=device)
     for s, length, _ in ex.chunk_spans:
@@ -159,17 +226,48 @@ def check_disjoint(train_items, eval_paths: Sequence[str | Path]) -> None:
                          + ". Remove them from the training data.")
 
 
+def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_tokens: int,
+                      rng: random.Random) -> list[list[int]]:
+    """The context each chunk of a training item is encoded after, as `context_token_ids` builds
+    it at ingestion (at most `context_tokens` tokens; the first chunk of a document has none).
+
+    Training items are retrieved paragraphs, not documents, so the document around each chunk is
+    made up, in one of two ways per item, half the time each: the item's chunks are one
+    document's pieces in prompt order (each chunk after the ones before it, as when a prompt
+    holds a document's sections in order), or each chunk is a piece of its own document whose
+    text before it is 0–4 paragraphs of other items (as when retrieval mixes documents and the
+    text before a chunk is not in the prompt)."""
+    own = {c.strip() for c in chunks}
+    others = [p for p in pool if p.strip() not in own]
+    out = []
+    ordered = rng.random() < 0.5 or not others
+    for i, chunk in enumerate(chunks):
+        if ordered:
+            before = CONTEXT_JOIN.join(c.strip() for c in chunks[:i])
+        else:
+            before = CONTEXT_JOIN.join(rng.sample(others, min(len(others), rng.randint(0, 4))))
+        out.append(context_token_ids(tok, before, context_tokens, chunk))
+    return out
+
+
 def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int,
-                   max_tokens: int, min_chunks: int) -> list[DistillExample]:
+                   max_tokens: int, min_chunks: int, context_tokens: int = 0,
+                   seed: int = 0) -> list[DistillExample]:
+    """The items' examples; `max_tokens` bounds the stitched prompt without its contexts (their
+    tokens are hidden and add only to the cost of a step)."""
+    rng = random.Random(seed)
+    pool = sorted({c for it in items for c in it.chunks}) if context_tokens else []
     out = []
     for it in items:
         if len(it.chunks) < min_chunks:
             continue
         name = it.template or "eval"
         rendered = render(name, tok, it.question, it.chunks, target_reply(it, name))
+        contexts = training_contexts(tok, rendered.chunk_texts, pool, context_tokens, rng) \
+            if context_tokens else None
         ex = make_example(tok, rendered.prompt, rendered.chunk_texts, rendered.completion,
-                          anchor, num_soft, pad_id)
-        if len(ex.ids) <= max_tokens and ex.reply:
+                          anchor, num_soft, pad_id, contexts)
+        if len(ex.ids) - ex.context_len <= max_tokens and ex.reply:
             out.append(ex)
     return out
 
@@ -179,6 +277,7 @@ def _save(enc: LearnedEncoding, cfg: DistillConfig, base_model: str, steps: int,
     enc.meta = {"base_model": base_model, "steps": steps, "lr": cfg.lr,
                 "soft_tokens": cfg.soft_tokens, "lora_rank": cfg.lora_rank, "seed": cfg.seed,
                 "ce_weight": cfg.ce_weight, "data": Path(cfg.data).name,
+                "context_tokens": cfg.context_tokens,
                 "objective": "KL(full prefill || stitched) over the reply"}
     if cfg.init:
         enc.meta["continued_from"] = Path(cfg.init).name
@@ -226,12 +325,16 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     fp = fingerprint_model(model, tok, loaded.name)
     anchor = anchor_ids(cfg.anchor, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if cfg.context_tokens < 0:
+        raise ValueError(f"context_tokens must be ≥ 0 (0: chunks alone), not {cfg.context_tokens}")
     examples = build_examples(tok, report.items, anchor, cfg.soft_tokens, pad,
-                              min(cfg.max_tokens, loaded.context_window), cfg.min_chunks)
+                              min(cfg.max_tokens, loaded.context_window), cfg.min_chunks,
+                              cfg.context_tokens, cfg.seed)
     if not examples:
         raise ValueError("no training example fits --max-tokens")
     lengths = sorted(len(e.ids) for e in examples)
-    log(f"{len(examples)} examples, median {lengths[len(lengths) // 2]} tokens")
+    log(f"{len(examples)} examples, median {lengths[len(lengths) // 2]} tokens"
+        + (" (contexts included)" if cfg.context_tokens else ""))
 
     prior = 0  # steps already in the encoder continued from
     if cfg.init:
@@ -260,7 +363,7 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
             order = rng.sample(range(len(examples)), len(examples))
         ex = examples[order.pop()]
         teacher = teacher_logits(model, ex)
-        student = student_logits(model, enc, ex, len(anchor))
+        student = student_logits(model, enc, ex)
         loss = kl_loss(teacher, student)
         if cfg.ce_weight:
             target = torch.tensor(ex.reply, device=student.device)

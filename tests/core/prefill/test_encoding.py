@@ -53,13 +53,45 @@ def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
     anchor = anchor_ids("chat", tok)
     ex = make_example(tok, prompt, CHUNKS, reply, anchor, soft, tok.pad_token_id)
     with torch.no_grad():
-        ref = student_logits(tiny.model, enc, ex, len(anchor), num_reply=1)
+        ref = student_logits(tiny.model, enc, ex, num_reply=1)
     torch.testing.assert_close(pre.logits, ref[0], atol=1e-4, rtol=0)
     # and the encoding matters: the training-free blobs give other logits
     plain = TurboRAGEngine(tiny, store=str(tmp_path / "kv2"), progress=False, encoder=None)
     plain.encode_chunks(CHUNKS)
     other = plain.prefill(plain.segments(prompt, CHUNKS)[0], reserve=4).logits
     assert (other - pre.logits).abs().max() > 1e-3
+    engine.cache_pool.release(pre.cache)
+
+
+CONTEXTS = [None, "The registry lists people and their things.\n\nAlice was a painter.",
+            "Chapter two: rivers of the east."]
+
+
+def test_stitched_logits_equal_the_training_forward_with_contexts(tiny, tmp_path):
+    """The same invariant for blobs encoded after their document's text (context encoding):
+    `make_example(contexts=)` lays each context between the chunk's anchor and soft slots, hidden
+    from the prompt, with the LoRA on, as the engine encodes it; the training forward then
+    reproduces the stitched prompt's logits, and differs from the layout without contexts."""
+    enc = encoding_for(tiny, soft=3, rank=4)
+    engine = TurboRAGEngine(tiny, store=str(tmp_path / "kv"), progress=False, encoder=enc,
+                            context_tokens=40)
+    engine.encode_chunks(CHUNKS, contexts=CONTEXTS)
+    prompt = prompt_of(engine)
+    pre = engine.prefill(engine.segments(prompt, CHUNKS)[0], reserve=4)
+    tok = tiny.tokenizer
+    anchor = anchor_ids("chat", tok)
+    ctx = [engine.encoder.context_ids(c, len(engine.encoder.tokenize(t)), t)
+           for c, t in zip(CONTEXTS, CHUNKS)]
+    # a document's first chunk has none; one context is cut to the limit, one is shorter
+    assert ctx[0] == [] and len(ctx[1]) == 40 and 0 < len(ctx[2]) < 40
+    ex = make_example(tok, prompt, CHUNKS, "Paris", anchor, 3, tok.pad_token_id, ctx)
+    assert ex.context_len == len(ctx[1]) + len(ctx[2])
+    with torch.no_grad():
+        ref = student_logits(tiny.model, enc, ex, num_reply=1)
+        alone = student_logits(tiny.model, enc, make_example(
+            tok, prompt, CHUNKS, "Paris", anchor, 3, tok.pad_token_id), num_reply=1)
+    torch.testing.assert_close(pre.logits, ref[0], atol=1e-4, rtol=0)
+    assert (alone[0] - pre.logits).abs().max() > 1e-3
     engine.cache_pool.release(pre.cache)
 
 
