@@ -3,14 +3,17 @@ the one the engine loads, the model is never changed, and training data that ove
 evaluation set is refused."""
 
 import json
+import random
 
 import pytest
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.evaluation.harness import load_items
+from turborag_integrations.core.prefill.context import context_token_ids
+from turborag_integrations.core.prefill.encoding import LearnedEncoding
 from turborag_integrations.training.distill import (DistillConfig, check_disjoint, distill,
-                                                    kl_loss)
+                                                    kl_loss, training_contexts)
 from tests.conftest import tiny_model
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
@@ -32,15 +35,18 @@ def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
     assert float(kl_loss(a, a + torch.randn(3, 11))) > 1e-3
 
 
-@pytest.mark.parametrize("soft,rank", [(4, 0), (2, 4)])
-def test_distill_lowers_the_divergence_and_saves_what_the_engine_loads(tmp_path, soft, rank):
+@pytest.mark.parametrize("soft,rank,context", [(4, 0, 0), (2, 4, 0), (2, 4, 24)])
+def test_distill_lowers_the_divergence_and_saves_what_the_engine_loads(tmp_path, soft, rank,
+                                                                       context):
     loaded = tiny_model("llama")
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     data = write_set(tmp_path / "train.jsonl")
     out = tmp_path / "enc"
     summary = distill(DistillConfig(data=str(data), out=str(out), steps=30, lr=1e-2,
-                                    soft_tokens=soft, lora_rank=rank, warmup=1),
+                                    soft_tokens=soft, lora_rank=rank, warmup=1,
+                                    context_tokens=context),
                       loaded=loaded, log=lambda m: None)
+    assert LearnedEncoding.load(out / "encoder.safetensors").meta["context_tokens"] == context
     assert summary["final_loss"] < summary["first_loss"]
     # the model is untouched: only the encoder file holds what was learned
     assert all(torch.equal(before[k], v) for k, v in loaded.model.state_dict().items())
@@ -48,6 +54,30 @@ def test_distill_lowers_the_divergence_and_saves_what_the_engine_loads(tmp_path,
                             encoder=str(out / "encoder.safetensors"))
     assert engine.learned.num_soft == soft and len(engine.learned.lora) == (14 if rank else 0)
     assert engine.encoder.base_position == len(engine.encoder.anchor_ids) + soft
+
+
+def test_training_contexts_are_built_as_ingestion_builds_them():
+    """Each chunk's training context is what `context_token_ids` makes of a document's text
+    before it: either the item's chunks before it (one document in prompt order) or paragraphs
+    of other items, never the chunk's own item; at most the limit; both kinds occur."""
+    tok = tiny_model("llama").tokenizer
+    others = ["The lighthouse keeper rows to town on Fridays.", "Dora sells maps of the coast.",
+              "The mill on the hill grinds rye."]
+    kinds = set()
+    for seed in range(16):
+        ctx = training_contexts(tok, CHUNKS, CHUNKS + others, 20, random.Random(seed))
+        assert len(ctx) == len(CHUNKS) and all(len(c) <= 20 for c in ctx)
+        ordered = [context_token_ids(tok, "\n\n".join(CHUNKS[:i]), 20, CHUNKS[i])
+                   for i in range(len(CHUNKS))]
+        if ctx == ordered:
+            kinds.add("ordered")
+            assert ctx[0] == [] and all(ctx[1:])
+        else:
+            kinds.add("other")
+            for c in ctx:
+                text = tok.decode(c)
+                assert not any(chunk[:12] in text for chunk in CHUNKS)
+    assert kinds == {"ordered", "other"}
 
 
 def test_rejects_nothing_to_train(tmp_path):
