@@ -3,9 +3,10 @@ the full one, with the model itself left unchanged.
 
 Teacher: the unmodified model's full causal prefill of a prompt, then the reply (teacher-forced).
 Student: the same model over the same prompt laid out as TurboRAG stitches it (chunks attend only
-to themselves, after the anchor and the soft tokens; every other token sees all before it), with
-the encoder's parameters acting on the chunk spans alone. Loss: KL(teacher ‖ student) of the
-next-token distributions at every reply position (plus, optionally, the reply's cross-entropy).
+to themselves, after the anchor, with `context_tokens` a made-up text of their document before
+them, and the soft tokens; every other token sees all before it), with the encoder's parameters
+acting on the chunk spans alone. Loss: KL(teacher ‖ student) of the next-token distributions at
+every reply position (plus, optionally, the reply's cross-entropy).
 No labels are needed: the teacher says what the model would have said.
 
 What is trained (core/prefill/encoding.py): `soft_tokens` input embeddings before every chunk,
