@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -69,8 +69,8 @@ class DistillExample:
     chunk_spans: list[tuple[int, int, int]]  # the chunks among them (not the plain prompt head)
     reply_at: int  # like teacher_reply_at, in the layout
     reply: list[int]
-    soft_at: list[int] = field(default_factory=list)  # where each chunk span's soft slots start
-    context_len: int = 0  # context tokens in the layout (none in the teacher)
+    soft_at: list[int]  # where each chunk span's soft slots start
+    context_len: int  # context tokens in the layout (none in the teacher)
 
     def mask(self) -> torch.Tensor:
         return independent_attention_mask(len(self.ids), self.spans)
@@ -231,6 +231,7 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
                       rng: random.Random) -> list[list[int]]:
     """The context each chunk of a training item is encoded after, as `context_token_ids` builds
     it at ingestion (at most `context_tokens` tokens; the first chunk of a document has none).
+    `pool`: the training set's paragraphs, stripped.
 
     Training items are retrieved paragraphs, not documents, so the document around each chunk is
     made up, in one of two ways per item, half the time each: the item's chunks are one
@@ -239,7 +240,7 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
     text before it is 0–4 paragraphs of other items (as when retrieval mixes documents and the
     text before a chunk is not in the prompt)."""
     own = {c.strip() for c in chunks}
-    others = [p for p in pool if p.strip() not in own]
+    others = [p for p in pool if p not in own]
     out = []
     ordered = rng.random() < 0.5 or not others
     for i, chunk in enumerate(chunks):
@@ -257,7 +258,7 @@ def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int
     """The items' examples; `max_tokens` bounds the stitched prompt without its contexts (their
     tokens are hidden and add only to the cost of a step)."""
     rng = random.Random(seed)
-    pool = sorted({c for it in items for c in it.chunks}) if context_tokens else []
+    pool = sorted({c.strip() for it in items for c in it.chunks}) if context_tokens else []
     out = []
     for it in items:
         if len(it.chunks) < min_chunks:
@@ -310,6 +311,8 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     if cfg.soft_tokens < 0 or cfg.lora_rank < 0 or not (cfg.soft_tokens or cfg.lora_rank):
         raise ValueError("train soft tokens (--soft-tokens N > 0), an encode-only LoRA "
                          "(--lora-rank R > 0), or both")
+    if cfg.context_tokens < 0:
+        raise ValueError(f"context_tokens must be ≥ 0 (0: chunks alone), not {cfg.context_tokens}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     report = load_items(cfg.data)
@@ -326,8 +329,6 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     fp = fingerprint_model(model, tok, loaded.name)
     anchor = anchor_ids(cfg.anchor, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    if cfg.context_tokens < 0:
-        raise ValueError(f"context_tokens must be ≥ 0 (0: chunks alone), not {cfg.context_tokens}")
     examples = build_examples(tok, report.items, anchor, cfg.soft_tokens, pad,
                               min(cfg.max_tokens, loaded.context_window), cfg.min_chunks,
                               cfg.context_tokens, cfg.seed)
