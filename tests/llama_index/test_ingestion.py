@@ -235,7 +235,8 @@ def test_ingesting_a_document_replaces_the_blobs_its_nodes_got_when_retrieved(tm
     nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
     KVCachePostprocessor(engine).postprocess_nodes([NodeWithScore(node=n) for n in nodes])
     alone = engine.encoder.base_position
-    assert {engine.blob_for(llm_text(n)).base_position for n in nodes} == {alone}
+    before = {llm_text(n): engine.blob_for(llm_text(n)) for n in nodes}
+    assert {b.base_position for b in before.values()} == {alone}
 
     store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
     VectorStoreIndex.from_documents(
@@ -254,5 +255,14 @@ def test_ingesting_a_document_replaces_the_blobs_its_nodes_got_when_retrieved(tm
         got, want = engine.blob_for(llm_text(node)), fresh.blob_for(llm_text(node))
         positions.append(got.base_position)
         assert got.base_position == want.base_position
-        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        if got.base_position == alone:
+            # The first node has no text before it: its blob is kept as the postprocessor
+            # wrote it, not encoded again. That blob came from a batch of another width than
+            # the fresh ingestion's, so the same sums ran in another order: equal to rounding.
+            kept = before[llm_text(node)]
+            assert torch.equal(got.keys, kept.keys) and torch.equal(got.values, kept.values)
+            assert torch.allclose(got.keys, want.keys, rtol=0, atol=1e-5)
+            assert torch.allclose(got.values, want.values, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert sorted(positions)[0] == alone < sorted(positions)[1]  # only the first is alone
