@@ -71,6 +71,27 @@ class Recorder:
                                    b"".join(response)))
 
 
+@pytest.fixture
+def decoding_gate(monkeypatch):
+    """An event that batched decoding steps wait on while it is clear. A test clears it once a
+    request is decoding, to hold that request in the batch however slow the test's own requests
+    are (a tiny model decodes a long answer in about a second); the fixture sets it again at the
+    end."""
+    from turborag_integrations.core.decode.batch import BatchedDecoder
+
+    gate = threading.Event()
+    gate.set()
+    step = BatchedDecoder.step
+
+    def gated_step(self, *args, **kwargs):
+        assert gate.wait(timeout=120), "the decoding gate was never opened"
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchedDecoder, "step", gated_step)
+    yield gate
+    gate.set()
+
+
 def wait_until(condition, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

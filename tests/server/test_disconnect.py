@@ -90,11 +90,13 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(app, base_url, e
     assert second == ("length", 3)
 
 
-def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, engine, caplog):
+def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, engine, caplog,
+                                                                    decoding_gate):
     caplog.set_level(logging.INFO, logger="turborag.server")
     health = lambda: httpx.get(f"{base_url}/health").json()  # noqa: E731
     first = post_raw(base_url, long_answer(engine, "Tell me everything."))
     first_chunk(first)
+    decoding_gate.clear()  # the first holds the one place until it leaves
     queued = post_raw(base_url, long_answer(engine, "And then some more."))
     wait_until(lambda: health()["queue_depth"] == 1, "the second request to queue")
     queued.close()
@@ -102,6 +104,7 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, en
     wait_until(lambda: health()["queue_depth"] == 0, "the server to notice", timeout=5)
     assert health()["in_flight"] == 1
     first.close()
+    decoding_gate.set()
 
     assert short_answer(base_url, engine).status_code == 200
     wait_until(lambda: len(generations(caplog)) == 2, "both generations")
@@ -111,7 +114,7 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_engine(base_url, en
     assert 'turborag_requests_total{endpoint="/v1/chat/completions",status="499"} 1' in metrics
 
 
-def test_no_thread_waits_per_request(app, base_url, engine):
+def test_no_thread_waits_per_request(app, base_url, engine, decoding_gate):
     """Six requests in flight (one decoding, five queued) start no thread: the scheduler's worker
     decodes, the event loop turns tokens into text and watches the connections, and chunk
     lookups share a pool of two threads."""
@@ -121,11 +124,13 @@ def test_no_thread_waits_per_request(app, base_url, engine):
     clients = [post_raw(base_url, long_answer(engine, f"Question {i}?")) for i in range(6)]
     try:
         first_chunk(clients[0])
+        decoding_gate.clear()  # the first stays in the batch, the other five in the queue
         wait_until(lambda: health()["queue_depth"] == 5, "the other five to queue")
         started = [t.name for t in threading.enumerate() if t.ident not in before]
     finally:
         for client in clients:
             client.close()
+        decoding_gate.set()
     assert len(started) <= 1 and all(name.startswith("turborag-lookup") for name in started), \
         started
     scheduler = app.state.scheduler

@@ -146,12 +146,14 @@ def test_a_live_server_refuses_a_large_body_before_reading_it(engine):
 
 
 # ---- the queue -------------------------------------------------------------------------------
-def test_a_request_past_the_queue_limit_is_429_with_retry_after(engine):
+def test_a_request_past_the_queue_limit_is_429_with_retry_after(engine, decoding_gate):
     app = create_app(engine, max_batch=1, max_queue=1)
+    gate = decoding_gate
     with running(app) as url:
         health = lambda: httpx.get(f"{url}/health").json()  # noqa: E731
         decoding = post_raw(url, long_answer(engine, "Tell me everything."))
         first_chunk(decoding)  # in the batch: no longer waiting
+        gate.clear()  # and there it stays until the gate opens
         queued = post_raw(url, long_answer(engine, "And then some more."))
         wait_until(lambda: health()["queue_depth"] == 1, "the second request to queue")
         try:
@@ -166,6 +168,7 @@ def test_a_request_past_the_queue_limit_is_429_with_retry_after(engine):
         finally:
             queued.close()
             decoding.close()
+            gate.set()
         wait_until(lambda: health()["queue_depth"] == health()["in_flight"] == 0,
                    "the server to be idle")
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
