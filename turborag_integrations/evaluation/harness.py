@@ -76,6 +76,8 @@ class Item:
     line: int = 0
     unanswerable: bool = False
     template: str | None = None  # training mixes: the prompt template (training/templates.py)
+    # document mixes (training/docmix.py): each chunk's document text before it
+    contexts: list[str] | None = None
 
 
 @dataclass
@@ -108,8 +110,14 @@ def _item(d: dict, n: int) -> Item:
     if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
         raise ValueError("'chunks' must be a list of strings")
     gold = d.get("gold") or []
+    contexts = d.get("contexts")
+    if contexts is not None:
+        if not isinstance(contexts, list) or len(contexts) != len(chunks) or not all(
+                isinstance(c, str) for c in contexts):
+            raise ValueError("'contexts' must be a list of strings, one per chunk ('' for none)")
+        contexts = [ctx for c, ctx in zip(chunks, contexts) if c.strip()]
     return Item(str(d.get("id", f"line{n}")), q, answers, [c for c in chunks if c.strip()],
-                list(gold), n, unanswerable, d.get("template") or None)
+                list(gold), n, unanswerable, d.get("template") or None, contexts)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,23 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
     return out
 
 
+def given_contexts(tok, chunk_texts: Sequence[str], chunks: Sequence[str],
+                   texts: Sequence[str], context_tokens: int) -> list[list[int]]:
+    """The context of each chunk as it occurs in the prompt (`chunk_texts`), from the item's
+    own: `texts[i]` is the text before `chunks[i]` in its document (training/docmix.py)."""
+    by_chunk = {c.strip(): t for c, t in zip(chunks, texts)}
+    out = []
+    for text in chunk_texts:
+        key = text.strip()
+        before = by_chunk.get(key)
+        if before is None:  # a template that frames a chunk: find the chunk inside it
+            before = next((t for c, t in by_chunk.items() if c and c in key), None)
+        if before is None:
+            raise ValueError(f"no context for the prompt's chunk {key[:60]!r}…")
+        out.append(context_token_ids(tok, before, context_tokens, text))
+    return out
+
+
 def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int,
                    max_tokens: int, min_chunks: int, context_tokens: int = 0,
                    seed: int = 0) -> list[DistillExample]:
@@ -265,8 +282,13 @@ def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int
             continue
         name = it.template or "eval"
         rendered = render(name, tok, it.question, it.chunks, target_reply(it, name))
-        contexts = training_contexts(tok, rendered.chunk_texts, pool, context_tokens, rng) \
-            if context_tokens else None
+        if not context_tokens:
+            contexts = None
+        elif it.contexts is not None:  # a document mix: each chunk's own document before it
+            contexts = given_contexts(tok, rendered.chunk_texts, it.chunks, it.contexts,
+                                      context_tokens)
+        else:
+            contexts = training_contexts(tok, rendered.chunk_texts, pool, context_tokens, rng)
         ex = make_example(tok, rendered.prompt, rendered.chunk_texts, rendered.completion,
                           anchor, num_soft, pad_id, contexts)
         if len(ex.ids) - ex.context_len <= max_tokens and ex.reply:
