@@ -139,6 +139,27 @@ def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path
             ModeSpec.parse(bad)
 
 
+def test_an_items_own_contexts_are_what_its_chunks_are_encoded_after(tmp_path):
+    """Chunks in another order than their document's: each is encoded after the text the item
+    gives for it, not after the chunks before it in the prompt."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None,
+                            context_tokens=0)
+    chunks = ["Nobody else was there.", "Tamsin did it in May.", "Orrin did not."]
+    contexts = ["Tamsin did it in May.\n\nOrrin did not.", "", "Tamsin did it in May."]
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
+                             "chunks": chunks, "contexts": contexts}))
+    evaluate(engine, load_items(p).items, ["naive", "turbo~8"], max_new_tokens=4)
+    sibling = TurboRAGEngine(engine.loaded, store=engine.store, encoder=None, context_tokens=8)
+    enc = sibling.encoder
+    for before, text in zip(contexts, chunks):
+        blob = sibling.blob_for(text)
+        assert blob is not None
+        assert blob.base_position == enc.base_position + len(enc.context_ids(before or None))
+    assert sibling.blob_for(chunks[1]).base_position == enc.base_position  # first: none
+    assert sibling.blob_for(chunks[0]).base_position == enc.base_position + 8  # not the prompt's
+
+
 def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
     a, b = make_items(3, 20), make_items(3, 20)
     assert a == b and make_items(4, 20) != a

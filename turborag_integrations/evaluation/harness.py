@@ -1,8 +1,10 @@
 """Evaluate TurboRAG modes on a JSONL RAG set: accuracy, agreement with a full prefill, TTFT.
 
 Input lines: {"id", "question", "answers": [...], "chunks": [texts], "gold": [indices]}, and
-optionally "unanswerable": true (then "answers" may be empty: the context lacks the fact). Other
-keys are ignored. For each mode every item is answered greedily and scored:
+optionally "unanswerable": true (then "answers" may be empty: the context lacks the fact) and
+"contexts": [texts], each chunk's document text before it, when the chunks are not in their
+document's order (else a chunk is encoded after the item's chunks before it). Other keys are
+ignored. For each mode every item is answered greedily and scored:
 
 - correct: the headline figure — an answerable item is correct when its reply contains an answer,
   an unanswerable one when its reply refuses (`metrics.is_refusal`)
@@ -273,13 +275,20 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 continue
             table[it.id] = (prompt, texts)
         prepared[ft] = table
-        # each chunk after the text before it in its item's document (the item's chunks are one
-        # document's, in order: the chunks before it, nearest first); a chunk in several items
-        # keeps its first context, as ingestion keeps the first blob of a text
+        # each chunk after the text before it in its item's document: the item's own
+        # `contexts` where it gives them (its chunks in another order than their document's),
+        # else the item's chunks are one document's, in order: the chunks before it, nearest
+        # first. A chunk in several items keeps its first context, as ingestion keeps the first
+        # blob of a text.
+        given = {it.id: it.contexts for it in items if it.contexts is not None}
         before: dict[str, list[str]] = {}
-        for _, texts in table.values():
+        for item_id, (_, texts) in table.items():
+            own = given.get(item_id)
+            if own is not None and len(own) != len(texts):
+                raise ValueError(f"item {item_id}: {len(own)} contexts for {len(texts)} chunks")
             for i, text in enumerate(texts):
-                before.setdefault(text, texts[i - 1::-1] if i else [])
+                before.setdefault(text, ([own[i]] if own[i] else []) if own is not None
+                                  else texts[i - 1::-1] if i else [])
         chunks = sorted(before)
         head = prompt_head(eng.tokenizer, system)
         siblings: dict = {}
