@@ -78,7 +78,8 @@ class Item:
     line: int = 0
     unanswerable: bool = False
     template: str | None = None  # training mixes: the prompt template (training/templates.py)
-    # document mixes (training/docmix.py): each chunk's document text before it
+    # each chunk's document text before it, for chunks out of their document's order
+    # (evaluation) or from several documents (training/docmix.py)
     contexts: list[str] | None = None
 
 
@@ -287,8 +288,11 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
             if own is not None and len(own) != len(texts):
                 raise ValueError(f"item {item_id}: {len(own)} contexts for {len(texts)} chunks")
             for i, text in enumerate(texts):
-                before.setdefault(text, ([own[i]] if own[i] else []) if own is not None
-                                  else texts[i - 1::-1] if i else [])
+                if own is not None:
+                    pieces = [own[i]] if own[i] else []
+                else:
+                    pieces = texts[i - 1::-1] if i else []
+                before.setdefault(text, pieces)
         chunks = sorted(before)
         head = prompt_head(eng.tokenizer, system)
         siblings: dict = {}

@@ -255,16 +255,14 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
 def given_contexts(tok, chunk_texts: Sequence[str], chunks: Sequence[str],
                    texts: Sequence[str], context_tokens: int) -> list[list[int]]:
     """The context of each chunk as it occurs in the prompt (`chunk_texts`), from the item's
-    own: `texts[i]` is the text before `chunks[i]` in its document (training/docmix.py)."""
+    own: `texts[i]` is the text before `chunks[i]` in its document (training/docmix.py). The
+    templates put chunks in the prompt as they are (stripped), so each is found by its text."""
     by_chunk = {c.strip(): t for c, t in zip(chunks, texts)}
     out = []
     for text in chunk_texts:
-        key = text.strip()
-        before = by_chunk.get(key)
-        if before is None:  # a template that frames a chunk: find the chunk inside it
-            before = next((t for c, t in by_chunk.items() if c and c in key), None)
+        before = by_chunk.get(text.strip())
         if before is None:
-            raise ValueError(f"no context for the prompt's chunk {key[:60]!r}…")
+            raise ValueError(f"no context for the prompt's chunk {text.strip()[:60]!r}…")
         out.append(context_token_ids(tok, before, context_tokens, text))
     return out
 
