@@ -57,6 +57,7 @@ corpus encodes every chunk of the set once (408 for the held-out set; minutes on
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -113,12 +114,30 @@ def corpus_sources(items: list[dict]) -> list[str]:
     return [first[c] for c in shared_corpus(items)]
 
 
+def start_indices(chunks: list[str], sources: list[str]) -> list[dict]:
+    """LangChain metadata for the corpus: each chunk's "source" and its "start_index" in it, as a
+    text splitter with `add_start_index=True` records them (a document's chunks are consecutive,
+    joined by a blank line)."""
+    out, start = [], 0
+    for j, (chunk, source) in enumerate(zip(chunks, sources)):
+        start = start if j and sources[j - 1] == source else 0
+        out.append({"source": source, "start_index": start})
+        start += len(chunk) + 2
+    return out
+
+
 def gold_retrieved(item: dict, retrieved: list[str]) -> bool | None:
     """Whether one of the item's gold chunks is among the retrieved texts; None without gold."""
     if not item.get("gold"):
         return None
     texts = set(retrieved)
     return any(item["chunks"][g] in texts for g in item["gold"])
+
+
+def placed(retrieved: list[str], places: dict[str, tuple[str, int]]) -> list:
+    """Where each retrieved text comes from, in prompt order: [document, index of the chunk in
+    it] (None for a text not in the corpus)."""
+    return [list(places[t]) if t in places else None for t in retrieved]
 
 
 def parse_value(text: str):
@@ -142,7 +161,8 @@ class LlamaIndexPipeline:
 
     name = "llama_index"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
+                 order: str = "score"):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
         from turborag_integrations.core.retrieval.embedding import default_embedding_path
@@ -154,6 +174,7 @@ class LlamaIndexPipeline:
         self.llm = TurboRAGLLM(engine, max_new_tokens=max_new_tokens, temperature=0.0,
                                stop=list(STOP), recovery=recovery)
         self.postprocessor = self.llm.postprocessor()
+        self.order = order
         self.query_engine = None
 
     def prepare(self, chunks: list[str], collection: str, k: int,
@@ -171,6 +192,9 @@ class LlamaIndexPipeline:
         nodes = [TextNode(text=c, id_=f"{collection}-{j}") for j, c in enumerate(chunks)]
         for j, node in enumerate(nodes if sources else []):
             node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=sources[j])
+            # where the chunk starts in its document, as a node parser records it
+            start = (nodes[j - 1].end_char_idx + 2 if j and sources[j - 1] == sources[j] else 0)
+            node.start_char_idx, node.end_char_idx = start, start + len(node.text)
             if j and sources[j - 1] == sources[j]:
                 node.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(
                     node_id=nodes[j - 1].node_id)
@@ -178,8 +202,13 @@ class LlamaIndexPipeline:
                     node_id=node.node_id)
         index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(
             vector_store=self.store), embed_model=self.embed_model, show_progress=progress)
+        postprocessors = [self.postprocessor]
+        if self.order == "document":
+            from turborag_integrations.llama_index import DocumentOrderPostprocessor
+
+            postprocessors.insert(0, DocumentOrderPostprocessor())
         self.query_engine = index.as_query_engine(
-            llm=self.llm, node_postprocessors=[self.postprocessor], similarity_top_k=k)
+            llm=self.llm, node_postprocessors=postprocessors, similarity_top_k=k)
 
     def answer(self, question: str, mode: str) -> tuple[str, dict, list[str]]:
         """(reply, the LLM's stats, texts of the retrieved chunks)."""
@@ -195,7 +224,8 @@ class LangChainPipeline:
 
     name = "langchain"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
+                 order: str = "score"):
         from langchain_core.prompts import ChatPromptTemplate
 
         from turborag_integrations.langchain import (SentenceTransformerEmbeddings,
@@ -207,6 +237,7 @@ class LangChainPipeline:
         self.prompt = ChatPromptTemplate.from_template(LANGCHAIN_RAG_PROMPT)
         self.chat_model = TurboRAGChatModel(engine=engine, max_tokens=max_new_tokens,
                                             temperature=0.0, stop=list(STOP), recovery=recovery)
+        self.order = order
         self.chains = {}
         self.retrieved: list[str] = []
 
@@ -235,11 +266,15 @@ class LangChainPipeline:
                 collection_name=collection,
                 progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
             self.store.add_texts(chunks, ids=[f"{collection}-{j}" for j in range(len(chunks))],
-                                 metadatas=[{"source": s} for s in sources] if sources else None)
+                                 metadatas=start_indices(chunks, sources) if sources else None)
         finally:
             if bar is not None:
                 bar.close()
         retriever = self.store.as_retriever(search_kwargs={"k": k})
+        if self.order == "document":
+            from turborag_integrations.langchain import in_document_order
+
+            retriever = retriever | in_document_order
         context = {"context": retriever | self.format_docs, "question": RunnablePassthrough()}
         # One chain per mode, differing only in the `mode` bound to the same chat model.
         self.chains = {mode: context | self.prompt | self.chat_model.bind(mode=mode)
@@ -261,10 +296,11 @@ class LangChainSystemPipeline(LangChainPipeline):
 
     name = "langchain_system"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
+                 order: str = "score"):
         from langchain_core.prompts import ChatPromptTemplate
 
-        super().__init__(engine, workdir, max_new_tokens, recovery)
+        super().__init__(engine, workdir, max_new_tokens, recovery, order)
         self.path = workdir / "chroma_langchain_system"
         self.prompt = ChatPromptTemplate.from_messages(
             [("system", LANGCHAIN_SYSTEM_PROMPT), ("human", "{question}")])
@@ -404,6 +440,10 @@ def main(argv=None) -> int:
     ap.add_argument("--recovery", default=None, metavar="SPEC",
                     help="the TurboRAG mode's query-time recovery, e.g. boundary:32 (the LLMs' "
                          "`recovery` field; docs/accuracy.md)")
+    ap.add_argument("--order", choices=("score", "document"), default="score",
+                    help="the order of the retrieved chunks in both modes' prompts: the "
+                         "retriever's (score, stock) or each document's chunks together in "
+                         "document order (DocumentOrderPostprocessor / in_document_order)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file, each as "
                     "it comes (a stopped run keeps what it made)")
@@ -450,6 +490,10 @@ def main(argv=None) -> int:
         print(f"{args.data}:{n}: skipped: {reason}", file=sys.stderr)
     corpus = shared_corpus(items)  # all items of the set, whatever --limit asks
     sources = corpus_sources(items)
+    places, seen = {}, collections.Counter()  # chunk text -> (its document, its index there)
+    for document, text in zip(sources, corpus):
+        places[text] = (document, seen[document])
+        seen[document] += 1
     items = items[:args.limit] if args.limit else items
     if not items:
         print(f"error: no usable items in {args.data}", file=sys.stderr)
@@ -479,7 +523,7 @@ def main(argv=None) -> int:
         store = args.store if args.store is not None else workdir / "kv"
         kwargs = {"store": str(store), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
-        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery)
+        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery, args.order)
                    for p in pipelines]
         engine.warmup()
         if k is not None:  # one shared collection per pipeline, ingested once, not timed
@@ -515,6 +559,7 @@ def main(argv=None) -> int:
                         "correct": correct, "refusal": refusal,
                         "retrieved_chunks": len(retrieved),
                         "gold_retrieved": gold_retrieved(item, retrieved),
+                        "retrieved_from": placed(retrieved, places),
                         **{key: stats.get(key) for key in (
                             "ttft_s", "prompt_tokens", "reused_tokens", "prefilled_tokens",
                             "cache_hits", "cache_misses", "new_tokens", "finish_reason")}})
@@ -528,7 +573,8 @@ def main(argv=None) -> int:
 
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
-                "engine_args": engine_args, "recovery": args.recovery, "pipelines": pipelines,
+                "engine_args": engine_args, "recovery": args.recovery, "order": args.order,
+                "pipelines": pipelines,
                 "store": None if args.store is None else str(args.store),
                 "corpus": "per-item" if k is None else "shared", "k": k,
                 "corpus_chunks": (sum(len(it["chunks"]) for it in items) if k is None

@@ -225,3 +225,29 @@ def test_summary_agreement_and_gold_shares(bench):
         assert r["same_reply_as_full_pct"] == pytest.approx(100 / 3)  # c only
         assert r["gold_n"] == 2 and r["gold_retrieved_pct"] == 50.0
         assert r["median_retrieved_chunks"] == 6
+
+
+def in_document_order(places) -> bool:
+    """Each document's chunks together and in their order in it."""
+    order = [tuple(p) for p in places]
+    groups = list(dict.fromkeys(document for document, _ in order))
+    return order == [p for g in groups for p in sorted(x for x in order if x[0] == g)]
+
+
+def test_order_document_puts_both_modes_chunks_in_document_order(bench, data, model_dir,
+                                                                tmp_path, capsys):
+    rows = {}
+    for order in ("score", "document"):
+        out = tmp_path / f"{order}.jsonl"
+        report = run_json(bench, capsys, data, "--model", model_dir, "--k", 3, "--order", order,
+                          "--max-new-tokens", 2, "--json", "--out", out)
+        assert report["order"] == order
+        rows[order] = [json.loads(line) for line in out.read_text().splitlines()]
+    # where each retrieved chunk comes from: (document, index in it), in prompt order
+    ship = next(r for r in rows["score"] if r["id"] == "ship")
+    assert ship["retrieved_from"][0] == ["ship", 1]  # the hull chunk ranks first
+    assert not all(in_document_order(r["retrieved_from"]) for r in rows["score"])
+    assert all(in_document_order(r["retrieved_from"]) for r in rows["document"])
+    assert len(rows["document"]) == len(ITEMS) * len(bench.PIPELINES) * 2
+    for a, b in zip(rows["score"], rows["document"]):  # the same chunks, only reordered
+        assert sorted(map(tuple, a["retrieved_from"])) == sorted(map(tuple, b["retrieved_from"]))

@@ -18,9 +18,11 @@ from .embeddings import SentenceTransformerEmbeddings
 from .fingerprints import FINGERPRINT, KV_KEY, MODEL
 from .generation import shared_engine
 from .llm import TurboRAGLLM
+from .order import in_document_order
 from .vectorstore import KVCachingVectorStore
 from .rapid import RapidChatModel
 
 __all__ = ["KVCachingVectorStore", "TurboRAGChatModel", "TurboRAGLLM", "TurboRAGRunCollector",
            "ChunkRegistry", "SentenceTransformerEmbeddings", "shared_engine",
-           "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL", "RapidChatModel"]
+           "FingerprintMismatch", "KV_KEY", "FINGERPRINT", "MODEL", "RapidChatModel",
+           "in_document_order"]

@@ -13,9 +13,11 @@ Needs llama-index-core (and llama-index-vector-stores-chroma for the default sto
 from ..core.registry import ChunkRegistry
 from .llm import STATS_KEY, TurboRAGLLM, stats_payload
 from .nodes import KV_KEY_METADATA, llm_text
+from .order import DocumentOrderPostprocessor
 from .postprocessor import KVCachePostprocessor
 from .vector_store import KVCachingVectorStore, chroma_vector_store
 from .rapid import RapidLLM
 
-__all__ = ["TurboRAGLLM", "KVCachingVectorStore", "KVCachePostprocessor", "ChunkRegistry",
+__all__ = ["TurboRAGLLM", "KVCachingVectorStore", "KVCachePostprocessor", "DocumentOrderPostprocessor",
+           "ChunkRegistry",
            "chroma_vector_store", "llm_text", "KV_KEY_METADATA", "STATS_KEY", "stats_payload", "RapidLLM"]
