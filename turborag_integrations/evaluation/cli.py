@@ -48,7 +48,7 @@ def eval_command(
                           "it"),
     modes: Optional[str] = typer.Option(
         None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
-                   "(boundary:K, blend:R), ft:MODE; a turbo mode may add @ANCHOR, ~N (context "
+                   "(first, boundary:K, blend:R), ft:MODE; a turbo mode may add @ANCHOR, ~N (context "
                    "tokens) and #ENCODER; or, on a long-document set, long-context, "
                    "rag-only, rapid:η, rapid (η chosen on --dev). Default: "
                    "naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15, or "

@@ -5,9 +5,10 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.settings import GenerationConfig
-from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Combined, SelectiveRecompute,
-                                                 parse_recovery, recompute_tokens,
-                                                 value_deviation)
+from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Combined,
+                                                         FirstChunkRecompute, SelectiveRecompute,
+                                                         parse_recovery, recompute_tokens,
+                                                         value_deviation)
 from turborag_integrations.core.prefill.rope import KeyRotator
 from turborag_integrations.core.prefill.stitch import plan_prompt, prefill
 from tests.core.prefill.test_stitch import LAYOUTS, build
@@ -21,7 +22,7 @@ def full_causal_logits(model, plan):
 
 
 def stitched(loaded, layout="prefix_glue_chunks", positions="reordered", recovery=None):
-    fp, segs = build(loaded, LAYOUTS[layout])
+    fp, segs = build(loaded, LAYOUTS[layout] if isinstance(layout, str) else layout)
     plan = plan_prompt(segs, loaded.tokenizer, positions=positions, fingerprint=fp)
     pre = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True,
                   recovery=recovery)
@@ -101,13 +102,40 @@ def test_value_deviation_zero_where_attention_is_unchanged(tiny_llama):
     assert len(chosen) == -(-len(cached) // 4) and set(chosen) <= cached
 
 
+def test_first_recomputes_the_first_chunk_and_nothing_else(tiny_llama):
+    plan, pre = stitched(tiny_llama, recovery=FirstChunkRecompute())
+    first, *rest = plan.spans  # the prefix is plain text here, prefilled
+    assert first.prompt_start > 0 and rest
+    recomputed = set(range(first.prompt_start, first.prompt_start + first.blob.num_tokens))
+    assert recomputed <= set(pre.plan.plain_index)
+    assert pre.plan.reused_tokens == plan.reused_tokens - first.blob.num_tokens
+    assert [s.prompt_start for s in pre.plan.spans] == [s.prompt_start for s in rest]
+    _, part = stitched(tiny_llama, recovery=FirstChunkRecompute(3))
+    assert set(part.plan.plain_index) - set(plan.plain_index) == set(
+        range(first.prompt_start, first.prompt_start + 3))
+
+
+def test_first_over_a_prompt_of_one_chunk_is_the_full_prefill(tiny_llama):
+    """The first chunk follows only the exact cached prefix: recomputed, it is the full
+    prefill's, where its blob, encoded alone, is not."""
+    layout = ["<s>system\nUse the context.</s>\n", 0, "\nQ: where was Alice born?\nA:"]
+    plan, pre = stitched(tiny_llama, layout, recovery=FirstChunkRecompute())
+    full = full_causal_logits(tiny_llama.model, plan)[pre.plan.plain_index]
+    torch.testing.assert_close(pre.logits, full, atol=1e-4, rtol=0)
+    _, plain = stitched(tiny_llama, layout)
+    assert (plain.logits[-1] - full[-1]).abs().max() > 1e-3
+
+
 def test_parse_recovery():
     assert parse_recovery(None) is None and parse_recovery("none") is None
+    assert parse_recovery("first") == FirstChunkRecompute()
+    assert parse_recovery("first:8") == FirstChunkRecompute(8)
+    assert str(parse_recovery("first,boundary:8")) == "first,boundary:8"
     assert parse_recovery("boundary:8") == BoundaryRecompute(8)
     assert parse_recovery("blend:0.1@2") == SelectiveRecompute(0.1, 2)
     both = parse_recovery("boundary:4,blend:0.05")
     assert isinstance(both, Combined) and str(both) == "boundary:4,blend:0.05"
-    for bad in ("foo", "boundary:x", "blend:2"):
+    for bad in ("foo", "boundary:x", "blend:2", "first:x", "first:-1"):
         with pytest.raises(ValueError):
             parse_recovery(bad)
 

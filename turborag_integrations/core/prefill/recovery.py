@@ -8,6 +8,8 @@ token before them (cached chunk tokens included), at their own position. Every o
 keeps its cached KV. Two ways to choose the tokens:
 
 - `BoundaryRecompute(k)` — the first k tokens of each chunk (the sink tokens).
+- `FirstChunkRecompute(k)` — the prompt's first chunk (its first k tokens, or all of it): the one
+  chunk whose full-prefill KV depends on nothing but the prompt's head.
 - `SelectiveRecompute(ratio, layer)` — CacheBlend-style: run the first `layer` decoder layers
   over the whole prompt with full causal attention, compare the value vectors the next layer
   would cache with the stitched ones, and recompute the `ratio` of chunk tokens that deviate most.
@@ -20,7 +22,7 @@ tensors. In a split span, `CachedSpan.position_start` is still the offset the ru
 rotated by (the position of the blob's token 0), so `stitch.assemble` places every kept token
 exactly where it was.
 
-`parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`, `"boundary:8,blend:0.1"` (both)
+`parse_recovery("first")`, `parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`, `"boundary:8,blend:0.1"` (both)
 or `"none"` gives the object that `prefill(..., recovery=...)` and the engine take.
 """
 
@@ -116,6 +118,30 @@ class BoundaryRecompute(Recovery):
 
 
 @dataclass
+class FirstChunkRecompute(Recovery):
+    """Recompute the prompt's first chunk (its first k tokens; None: all of them). It follows
+    only the prompt's head, which is exact, so recomputed in full it is exactly the full
+    prefill's, whatever its blob was encoded after."""
+
+    k: int | None = None
+
+    def __post_init__(self):
+        if self.k is not None and self.k < 0:
+            raise ValueError("first-chunk recompute needs k ≥ 0 tokens")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "first" if self.k is None else f"first:{self.k}"
+
+    def select(self, model, plan, rotator) -> list[int]:
+        spans = _chunk_spans(plan)
+        if not spans:
+            return []
+        n = spans[0].blob.num_tokens if self.k is None else min(self.k, spans[0].blob.num_tokens)
+        return list(range(spans[0].prompt_start, spans[0].prompt_start + n))
+
+
+@dataclass
 class SelectiveRecompute(Recovery):
     """CacheBlend-style: recompute the chunk tokens whose layer-`layer` values deviate most."""
 
@@ -206,7 +232,9 @@ def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
             continue
         name, _, arg = item.partition(":")
         try:
-            if name == "boundary":
+            if name == "first":
+                parts.append(FirstChunkRecompute(int(arg) if arg else None))
+            elif name == "boundary":
                 parts.append(BoundaryRecompute(int(arg) if arg else 16))
             elif name == "blend":
                 ratio, _, layer = arg.partition("@")
@@ -215,7 +243,7 @@ def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
             else:
                 raise ValueError
         except ValueError as exc:
-            raise ValueError(f"unknown recovery {item!r}: use none, boundary:K, blend:RATIO "
+            raise ValueError(f"unknown recovery {item!r}: use none, first[:K], boundary:K, blend:RATIO "
                              f"(e.g. blend:0.15 or blend:0.15@2), or several joined by ','"
                              + (f" ({exc})" if str(exc) else "")) from None
     if not parts:
@@ -223,4 +251,4 @@ def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
     return parts[0] if len(parts) == 1 else Combined(parts)
 
 
-RECOVERY_HELP = "none | boundary:K | blend:RATIO[@LAYER] | both joined by ','"
+RECOVERY_HELP = "none | first[:K] | boundary:K | blend:RATIO[@LAYER] | several joined by ','"
