@@ -2,6 +2,7 @@
 
     python benchmarks/ttft.py                   # 8 × 512 and 16 × 512 tokens, median of 3 runs
     python benchmarks/ttft.py --chunks 8 --runs 5 --json
+    python benchmarks/ttft.py --chunks 8 --recovery first:32     # also stitched with recovery
 
 Each run times both paths on the same prompt, interleaved, after one warm-up of each. The store's
 memory tier is off, so every TurboRAG run reads and verifies its blobs from disk (the OS page
@@ -40,7 +41,8 @@ def make_chunks(tokenizer, n: int, tokens: int) -> list[str]:
     return chunks
 
 
-def measure(engine: TurboRAGEngine, n_chunks: int, chunk_tokens: int, runs: int) -> dict:
+def measure(engine: TurboRAGEngine, n_chunks: int, chunk_tokens: int, runs: int,
+            recoveries: list[str] = ()) -> dict:
     chunks = make_chunks(engine.tokenizer, n_chunks, chunk_tokens)
     engine.encode_chunks(chunks)
     messages = [{"role": "system", "content": "Answer using only the documents."},
@@ -49,20 +51,28 @@ def measure(engine: TurboRAGEngine, n_chunks: int, chunk_tokens: int, runs: int)
     prompt = engine.render_chat(messages)
     one = GenerationConfig(max_new_tokens=1)
     full, turbo, assembly = [], [], []
+    recovered: dict[str, list[float]] = {spec: [] for spec in recoveries}
     for run in range(runs + 1):  # the first round is a warm-up
         f = engine.generate(prompt, config=one, mode="naive").stats
         t = engine.generate(prompt, chunks=chunks, config=one).stats
         if t.cache_hits != n_chunks:
             raise RuntimeError(f"only {t.cache_hits}/{n_chunks} chunks were reused")
+        times = {spec: engine.generate(prompt, chunks=chunks, config=one,
+                                       recovery=spec).stats.ttft_s for spec in recoveries}
         if run:
             full.append(f.ttft_s)
             turbo.append(t.ttft_s)
             assembly.append(t.assembly_s)
+            for spec, seconds in times.items():
+                recovered[spec].append(seconds)
     full_s, turbo_s = statistics.median(full), statistics.median(turbo)
     return {"context_tokens": t.prompt_tokens, "reused_tokens": t.reused_tokens,
             "prefilled_tokens": t.prefilled_tokens, "full_s": full_s, "turbo_s": turbo_s,
             "assembly_s": statistics.median(assembly), "speedup": full_s / turbo_s,
-            "assembly_share": statistics.median(assembly) / turbo_s, "runs": runs}
+            "assembly_share": statistics.median(assembly) / turbo_s, "runs": runs,
+            "recovery": {spec: {"turbo_s": statistics.median(ts),
+                                "speedup": full_s / statistics.median(ts)}
+                         for spec, ts in recovered.items()}}
 
 
 def main(argv=None) -> int:
@@ -73,8 +83,18 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up (≥ 3)")
     ap.add_argument("--store", help="KV store folder (default: a temporary one)")
+    ap.add_argument("--recovery", action="append", default=[], metavar="SPEC",
+                    help="also time the stitched prompt with this query-time recovery, e.g. "
+                         "first:32 (repeatable; docs/accuracy.md)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    from turborag_integrations.core.prefill.recovery import parse_recovery
+
+    for spec in args.recovery:
+        try:
+            parse_recovery(spec)
+        except ValueError as exc:
+            ap.error(f"--recovery: {exc}")
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = TurboRAGEngine(args.model, store=KVStore(args.store or tmp, memory_bytes=0),
@@ -83,7 +103,7 @@ def main(argv=None) -> int:
         for n in args.chunks:
             # Leave room for the template and the question inside the model's window.
             per_chunk = min(args.chunk_tokens, (engine.context_window - 128) // n)
-            results.append(measure(engine, n, per_chunk, args.runs))
+            results.append(measure(engine, n, per_chunk, args.runs, args.recovery))
             if not args.json:
                 print(f"... {n} chunks done", file=sys.stderr)
     report = {"model": args.model, "dtype": engine.fingerprint.dtype, "results": results}
@@ -92,10 +112,12 @@ def main(argv=None) -> int:
         return 0
     print(f"model {args.model} ({engine.fingerprint.dtype}), median of {args.runs} runs")
     print(f"{'context':>8} {'reused':>7} {'full prefill':>13} {'TurboRAG':>9} {'assembly':>9} "
-          f"{'speedup':>8}")
+          f"{'speedup':>8}" + "".join(f" {'+ ' + spec:>18}" for spec in args.recovery))
     for r in results:
         print(f"{r['context_tokens']:>8} {r['reused_tokens']:>7} {r['full_s']:>12.3f}s "
-              f"{r['turbo_s']:>8.3f}s {r['assembly_s']:>8.3f}s {r['speedup']:>7.1f}x")
+              f"{r['turbo_s']:>8.3f}s {r['assembly_s']:>8.3f}s {r['speedup']:>7.1f}x"
+              + "".join(f" {r['recovery'][spec]['turbo_s']:>8.3f}s {r['recovery'][spec]['speedup']:>6.1f}x"
+                        + " " * 2 for spec in args.recovery))
     return 0
 
 
