@@ -251,6 +251,12 @@ def test_recovery_in_a_stock_query_engine(index, engine):
     assert 2 * 4 <= moved <= 4 * (2 + 1)
     assert four.stats.prefilled_tokens == stitched.stats.prefilled_tokens + moved
     assert four.stats.extra["recovery"] == str(parse_recovery("boundary:4"))
+    # "first" moves exactly the prompt's first chunk, the best-scored node, to the prefill
+    llm = TurboRAGLLM(engine, max_new_tokens=8, recovery="first")
+    _, response = answer(index.as_query_engine(llm=llm, node_postprocessors=post,
+                                               similarity_top_k=2))
+    moved = stitched.stats.reused_tokens - llm.last_result.stats.reused_tokens
+    assert moved == chunk_tokens(engine, response.source_nodes[:1]) > 0
 
 
 def test_bad_settings_are_refused(engine):

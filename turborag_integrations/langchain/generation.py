@@ -105,8 +105,9 @@ class TurboRAGParams(SamplingParams):
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
     recovery: str | None = None
-    """Turbo mode only: recompute some chunk tokens with full context, e.g. "boundary:32"
-    (agreement bought with speed; docs/accuracy.md's frontier). Also a per-call option."""
+    """Turbo mode only: recompute some chunk tokens with full context, e.g. "first" (the
+    prompt's first chunk) or "boundary:32" (answers bought with speed; docs/accuracy.md). Also
+    a per-call option."""
     quantize: Literal["int8", "bf16"] | None = None
     """Decode with quantised weights: faster, answers may drift (see GenerationConfig)."""
     draft: Literal["int8", "bf16"] | None = None

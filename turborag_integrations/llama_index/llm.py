@@ -59,8 +59,9 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                      description="'reordered' or 'composite' (None: the engine's)")
     mode: str = Field(default="turbo", description="'turbo' (reuse blobs) or 'naive' (prefill all)")
     recovery: Optional[str] = Field(default=None, description="turbo mode only: recompute "
-                                    "some chunk tokens with full context, e.g. 'boundary:32' "
-                                    "(agreement for speed; docs/accuracy.md's frontier)")
+                                    "some chunk tokens with full context, e.g. 'first' (the "
+                                    "prompt's first chunk) or 'boundary:32' (answers bought "
+                                    "with speed; docs/accuracy.md)")
     quantize: Optional[str] = Field(default=None, description="decode with 'int8' or 'bf16' "
                                     "weights: faster, answers may drift (see GenerationConfig)")
     draft: Optional[str] = Field(default=None, description="'int8' or 'bf16' drafts verified in "
