@@ -114,14 +114,14 @@ def corpus_sources(items: list[dict]) -> list[str]:
     return [first[c] for c in shared_corpus(items)]
 
 
-def start_indices(chunks: list[str], sources: list[str]) -> list[dict]:
-    """LangChain metadata for the corpus: each chunk's "source" and its "start_index" in it, as a
-    text splitter with `add_start_index=True` records them (a document's chunks are consecutive,
-    joined by a blank line)."""
+def chunk_starts(chunks: list[str], sources: list[str]) -> list[int]:
+    """Where each chunk starts in its document, as node parsers (`start_char_idx`) and text
+    splitters with `add_start_index=True` ("start_index") record it: a document's chunks are
+    consecutive, joined by a blank line."""
     out, start = [], 0
     for j, (chunk, source) in enumerate(zip(chunks, sources)):
         start = start if j and sources[j - 1] == source else 0
-        out.append({"source": source, "start_index": start})
+        out.append(start)
         start += len(chunk) + 2
     return out
 
@@ -190,11 +190,10 @@ class LlamaIndexPipeline:
         self.store = KVCachingVectorStore(self.engine, path=self.path, collection=collection,
                                           show_progress=progress)
         nodes = [TextNode(text=c, id_=f"{collection}-{j}") for j, c in enumerate(chunks)]
+        starts = chunk_starts(chunks, sources) if sources else []
         for j, node in enumerate(nodes if sources else []):
             node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=sources[j])
-            # where the chunk starts in its document, as a node parser records it
-            start = (nodes[j - 1].end_char_idx + 2 if j and sources[j - 1] == sources[j] else 0)
-            node.start_char_idx, node.end_char_idx = start, start + len(node.text)
+            node.start_char_idx, node.end_char_idx = starts[j], starts[j] + len(node.text)
             if j and sources[j - 1] == sources[j]:
                 node.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(
                     node_id=nodes[j - 1].node_id)
@@ -266,7 +265,8 @@ class LangChainPipeline:
                 collection_name=collection,
                 progress=(lambda done, total: bar.update(done - bar.n)) if bar else None)
             self.store.add_texts(chunks, ids=[f"{collection}-{j}" for j in range(len(chunks))],
-                                 metadatas=start_indices(chunks, sources) if sources else None)
+                                 metadatas=[{"source": s, "start_index": i} for s, i in zip(
+                                     sources, chunk_starts(chunks, sources))] if sources else None)
         finally:
             if bar is not None:
                 bar.close()

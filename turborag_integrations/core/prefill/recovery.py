@@ -5,7 +5,7 @@ first tokens behave like the start of a sequence (attention sinks) although they
 An untuned model loses accuracy from both. Recovery turns some chunk tokens back into plain
 tokens: they are prefilled with the rest of the plain text, attending causally to every prompt
 token before them (cached chunk tokens included), at their own position. Every other chunk token
-keeps its cached KV. Two ways to choose the tokens:
+keeps its cached KV. Three ways to choose the tokens:
 
 - `BoundaryRecompute(k)` — the first k tokens of each chunk (the sink tokens).
 - `FirstChunkRecompute(k)` — the prompt's first chunk (its first k tokens, or all of it): the one
@@ -22,8 +22,8 @@ tensors. In a split span, `CachedSpan.position_start` is still the offset the ru
 rotated by (the position of the blob's token 0), so `stitch.assemble` places every kept token
 exactly where it was.
 
-`parse_recovery("first")`, `parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`, `"boundary:8,blend:0.1"` (both)
-or `"none"` gives the object that `prefill(..., recovery=...)` and the engine take.
+`parse_recovery("first")`, `parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`,
+`"boundary:8,blend:0.1"` (both) or `"none"` gives the object that `prefill(..., recovery=...)` and the engine take.
 """
 
 from __future__ import annotations
@@ -243,8 +243,9 @@ def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
             else:
                 raise ValueError
         except ValueError as exc:
-            raise ValueError(f"unknown recovery {item!r}: use none, first[:K], boundary:K, blend:RATIO "
-                             f"(e.g. blend:0.15 or blend:0.15@2), or several joined by ','"
+            raise ValueError(f"unknown recovery {item!r}: use none, first[:K], boundary:K, "
+                             f"blend:RATIO (e.g. blend:0.15 or blend:0.15@2), or several joined "
+                             f"by ','"
                              + (f" ({exc})" if str(exc) else "")) from None
     if not parts:
         return None

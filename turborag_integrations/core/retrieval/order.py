@@ -3,8 +3,8 @@
 A retriever returns chunks by score. A stitched chunk was encoded after its own document's text
 before it (prefill/context.py), so it behaves most like the full prefill's chunk when the prompt
 puts before it what its document did: the chunks of one document together and in their order.
-Keeping the order of the source document is also what order-preserving RAG (OP-RAG, arXiv
-2409.01666) recommends for answer quality of a full prefill alike.
+Order-preserving RAG (OP-RAG, arXiv 2409.01666) recommends the same order for a full prefill's
+answers; for the bundled 135M model it cost some (docs/accuracy.md).
 
 The adapters supply each chunk's document and position (LlamaIndex: `ref_doc_id` and
 `start_char_idx`; LangChain: metadata "source" and "start_index"); this module only orders.
