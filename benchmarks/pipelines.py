@@ -162,7 +162,7 @@ class LlamaIndexPipeline:
     name = "llama_index"
 
     def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score"):
+                 order: str = "score", lead: bool = True):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
         from turborag_integrations.core.retrieval.embedding import default_embedding_path
@@ -172,7 +172,7 @@ class LlamaIndexPipeline:
         self.path = workdir / "chroma_llama_index"
         self.embed_model = HuggingFaceEmbedding(model_name=default_embedding_path())
         self.llm = TurboRAGLLM(engine, max_new_tokens=max_new_tokens, temperature=0.0,
-                               stop=list(STOP), recovery=recovery)
+                               stop=list(STOP), recovery=recovery, stock_head=lead)
         self.postprocessor = self.llm.postprocessor()
         self.order = order
         self.query_engine = None
@@ -224,7 +224,7 @@ class LangChainPipeline:
     name = "langchain"
 
     def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score"):
+                 order: str = "score", lead: bool = True):
         from langchain_core.prompts import ChatPromptTemplate
 
         from turborag_integrations.langchain import (SentenceTransformerEmbeddings,
@@ -237,6 +237,7 @@ class LangChainPipeline:
         self.chat_model = TurboRAGChatModel(engine=engine, max_tokens=max_new_tokens,
                                             temperature=0.0, stop=list(STOP), recovery=recovery)
         self.order = order
+        self.lead = lead
         self.chains = {}
         self.retrieved: list[str] = []
 
@@ -260,6 +261,8 @@ class LangChainPipeline:
 
             bar = tqdm(total=len(chunks), desc="encoding chunk KV", unit="chunk")
         try:
+            if self.lead:  # before ingesting, so that the lead blobs are encoded with the rest
+                self.chat_model.add_prompt(self.prompt)
             self.store = KVCachingVectorStore(
                 engine=self.engine, embedding=self.embeddings, persist_directory=str(self.path),
                 collection_name=collection,
@@ -297,10 +300,10 @@ class LangChainSystemPipeline(LangChainPipeline):
     name = "langchain_system"
 
     def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score"):
+                 order: str = "score", lead: bool = True):
         from langchain_core.prompts import ChatPromptTemplate
 
-        super().__init__(engine, workdir, max_new_tokens, recovery, order)
+        super().__init__(engine, workdir, max_new_tokens, recovery, order, lead)
         self.path = workdir / "chroma_langchain_system"
         self.prompt = ChatPromptTemplate.from_messages(
             [("system", LANGCHAIN_SYSTEM_PROMPT), ("human", "{question}")])
@@ -376,7 +379,7 @@ def print_table(results: list[dict], settings: dict) -> None:
     print(f"{settings['items']} items from {settings['data']} ({settings['answerable']} "
           f"answerable, {settings['unanswerable']} unanswerable); model {settings['model']}; "
           f"engine args {settings['engine_args'] or '{}'}; recovery {settings['recovery']}; "
-          f"greedy, ≤{settings['max_new_tokens']} new tokens, stop at a blank line")
+          f"lead blobs {settings['lead_blobs']}; greedy, ≤{settings['max_new_tokens']} new tokens, stop at a blank line")
     if settings["corpus"] == "shared":
         print(f"corpus: shared, {settings['corpus_chunks']} distinct chunks of the whole set in "
               f"one collection; top-{settings['k']} retrieval")
@@ -444,6 +447,10 @@ def main(argv=None) -> int:
                     help="the order of the retrieved chunks in both modes' prompts: the "
                          "retriever's (score, stock) or each document's chunks together in "
                          "document order (DocumentOrderPostprocessor / in_document_order)")
+    ap.add_argument("--lead-blobs", choices=("on", "off"), default="on",
+                    help="encode chunks also after each pipeline's prompt head, so that the "
+                         "first retrieved chunk is stitched exactly (TurboRAGLLM's stock_head, "
+                         "TurboRAGChatModel.add_prompt); off: as before they existed")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, help="write every reply as JSONL to this file, each as "
                     "it comes (a stopped run keeps what it made)")
@@ -523,8 +530,8 @@ def main(argv=None) -> int:
         store = args.store if args.store is not None else workdir / "kv"
         kwargs = {"store": str(store), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
-        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery, args.order)
-                   for p in pipelines]
+        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery, args.order,
+                              args.lead_blobs == "on") for p in pipelines]
         engine.warmup()
         if k is not None:  # one shared collection per pipeline, ingested once, not timed
             for runner in runners:
@@ -562,7 +569,8 @@ def main(argv=None) -> int:
                         "retrieved_from": placed(retrieved, places),
                         **{key: stats.get(key) for key in (
                             "ttft_s", "prompt_tokens", "reused_tokens", "prefilled_tokens",
-                            "cache_hits", "cache_misses", "new_tokens", "finish_reason")}})
+                            "cache_hits", "cache_misses", "new_tokens", "finish_reason")},
+                        "lead_blob": bool(stats.get("lead_blob"))})
                     gold = {True: "yes", False: "no", None: "—"}[rows[-1]["gold_retrieved"]]
                     log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name:<11} {mode:<5} "
                         f"{'ok ' if correct else 'bad'} gold {gold:<3} "
@@ -574,6 +582,7 @@ def main(argv=None) -> int:
     results = summarise(rows, pipelines)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
                 "engine_args": engine_args, "recovery": args.recovery, "order": args.order,
+                "lead_blobs": args.lead_blobs,
                 "pipelines": pipelines,
                 "store": None if args.store is None else str(args.store),
                 "corpus": "per-item" if k is None else "shared", "k": k,

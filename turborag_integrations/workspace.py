@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .core import environment
+from .core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from .core.prefill.context import DEFAULT_CONTEXT_TOKENS, document_contexts
 from .core.retrieval.chroma import chroma_client
 from .core.retrieval.chunking import split_text
@@ -125,6 +126,7 @@ class Workspace:
             manifest.get("context_tokens", 0) if manifest else DEFAULT_CONTEXT_TOKENS)
         self.kv_dir = self.root / "kv"
         self._engine = engine
+        self._head_added = False
         self._embedder = None
         self._collection = None
         self._rapid = None
@@ -155,6 +157,12 @@ class Workspace:
             self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
                                           adapter=self.adapter, encoder=self.encoder,
                                           context_tokens=self.context_tokens)
+        if not self._head_added:
+            # the first source of a question asked without history follows this head: its
+            # lead blob makes it exact (core/library.py)
+            self._head_added = True
+            self._engine.add_prompt(self._engine.render_chat(
+                self.messages(VALUE_MARKER, CONTEXT_MARKER)))
         return self._engine
 
     @property
@@ -282,9 +290,14 @@ class Workspace:
     def prompt(self, question: str, sources: Sequence[Source],
                history: Sequence[dict] = ()) -> str:
         context = "\n\n".join(s.text for s in sources)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *history,
-                    {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]
-        return self.engine.render_chat(messages)
+        return self.engine.render_chat(self.messages(question, context, history))
+
+    @staticmethod
+    def messages(question: str, context: str, history: Sequence[dict] = ()) -> list[dict]:
+        """The chat a question is asked in: the system prompt, any history, then the user's
+        turn with the retrieved context before the question."""
+        return [{"role": "system", "content": SYSTEM_PROMPT}, *history,
+                {"role": "user", "content": f"Context:\n\n{context}\n\nQuestion: {question}"}]
 
     def ask(self, question: str, *, k: int = 4, mode: str = "turbo",
             config: GenerationConfig | None = None, history: Sequence[dict] = ()) -> Answer:

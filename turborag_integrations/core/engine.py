@@ -21,7 +21,8 @@ from .kv.blob import KVBlob, fingerprint_model
 from .kv.cache import CachePool
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
-from .prefill.anchor import DEFAULT_ANCHOR, anchor_ids, anchor_text
+from .prefill.anchor import (CONTEXT_MARKER, DEFAULT_ANCHOR, VALUE_MARKER, anchor_ids,
+                             anchor_text)
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.context import DEFAULT_CONTEXT_TOKENS
 from .prefill.encoding import LearnedEncoding, resolve_encoder
@@ -56,7 +57,8 @@ class TurboRAGEngine(ChunkLibrary):
                  adapter: str | Path | None = None, question_last: bool = False,
                  encoder: "str | Path | LearnedEncoding | None" = "default",
                  namespace: str = "", separators: bool = True,
-                 context_tokens: int = DEFAULT_CONTEXT_TOKENS):
+                 context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                 prompt_heads: Sequence[str] = ()):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -89,6 +91,11 @@ class TurboRAGEngine(ChunkLibrary):
         blob, as vLLM's connector must (a claim is a run of stored KV), so that both engines
         stitch a prompt alike; False prefills it with the rest of the prompt, attending to the
         chunks before it.
+
+        prompt_heads: texts that prompts have before their first chunk (a template's head):
+        each chunk is also encoded right after each of them, and the first chunk of a prompt
+        with that head is stitched from that blob, exactly as a full prefill computes it
+        (`add_prompt_head`, core/library.py). Each head costs one more blob per chunk.
 
         question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
         Context: … Answer:") in front of the user's text before them, so that the question is read
@@ -142,6 +149,8 @@ class TurboRAGEngine(ChunkLibrary):
                          context_tokens=context_tokens),
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size),
             root_store.namespace(namespace))
+        for head in prompt_heads:
+            self.add_prompt_head(head)
 
     def namespaced(self, name: str, *, shared: Sequence[str] = ()) -> "TurboRAGEngine":
         """This engine in namespace `name`: the same model, encoders and cache pool, the store
@@ -241,6 +250,7 @@ class TurboRAGEngine(ChunkLibrary):
         else:
             pieces = token_pieces(prompt, *tokens, chunks, lambda text: (
                 None if (b := blob_of(text)) is None else b.token_ids.tolist()))
+        lead = self._lead_head(pieces)
         found = set()
         segments = []
         for i, piece in enumerate(pieces):
@@ -249,6 +259,10 @@ class TurboRAGEngine(ChunkLibrary):
                 if blob is None:
                     segments.append(Segment(piece.text))
                     continue
+                if i == 1 and lead is not None:
+                    # the first chunk right after a known prompt head: its lead blob is the
+                    # full prefill's KV (core/library.py)
+                    blob = self.lead_blob(piece.chunk, lead) or blob
                 found.add(piece.chunk)
                 # the chunk's tail may merge with the text after it: its leading tokens only
                 segments.append(Segment(piece.text, blob if piece.ids is None
@@ -267,6 +281,54 @@ class TurboRAGEngine(ChunkLibrary):
                 else:
                     segments.append(Segment(piece.text, ids=piece.ids))
         return segments, len(found), len(chunks) - len(found)
+
+    def _lead_head(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
+        """The ids of the prompt head before the first chunk when lead blobs are encoded after
+        it (`add_prompt_head`), else None."""
+        if not self._leads or len(pieces) < 2 or pieces[0].chunk is not None \
+                or pieces[1].chunk is None:
+            return None
+        head = pieces[0]
+        ids = tuple(head.ids if head.ids is not None
+                    else self.tokenizer(head.text, add_special_tokens=False)["input_ids"])
+        return ids if ids in self._leads else None
+
+    def is_lead(self, blob: KVBlob | None) -> bool:
+        """Whether `blob` is a lead blob (a chunk encoded right after a prompt head)."""
+        return blob is not None and any(blob.fingerprint.encoding == e.fingerprint.encoding
+                                        for e in self._leads.values())
+
+    def prompt_head(self, rendered: str, marker: str = CONTEXT_MARKER, *,
+                    varying: str = VALUE_MARKER) -> str:
+        """The text a prompt has before its first chunk, from its template rendered with
+        `marker` where the chunks go and `varying` for every other variable (as this engine
+        stitches it: with `question_last`, a question-first turn puts the chunks right after
+        the turn's opener). A head that holds a variable changes with every query: refused."""
+        head, found, _ = rendered.partition(marker)
+        if not found:
+            raise ValueError(f"the rendered prompt does not hold the context marker {marker!r}: "
+                             "render the template with the marker as its context")
+        if self.question_last:  # as prefill/reorder.py's question_last turns the prompt
+            opener = self.user_opener
+            cut = head.rfind(opener) + len(opener) if opener and opener in head else 0
+            if head[cut:].strip():  # the user's text before the chunks goes after them
+                head = head[:cut]
+        if varying and varying in head:
+            raise ValueError(
+                "the template puts a variable (the question) before the context, so the text "
+                "before the chunks changes with every query and no blob can be made for it; "
+                "put the context first, or use an engine with question_last=True")
+        return head
+
+    def add_prompt(self, rendered: str) -> str:
+        """Encode chunks also after the head of a template rendered with CONTEXT_MARKER for its
+        chunks and VALUE_MARKER for its other variables (`prompt_head`), from the next
+        ingestion on; returns that head ("" where the chunks start the prompt: nothing to add).
+        The adapters' `add_prompt` render their templates and call this."""
+        head = self.prompt_head(rendered)
+        if head:
+            self.add_prompt_head(head)
+        return head
 
     # ---- generation -------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Segment], *, positions: str | None = None,
@@ -333,6 +395,8 @@ class TurboRAGEngine(ChunkLibrary):
         stats.prompt_tokens = len(plan.token_ids)
         stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
         stats.cache_hits, stats.cache_misses = hits, misses
+        if mode == "turbo" and self._leads and any(self.is_lead(s.blob) for s in segments):
+            stats.extra["lead_blob"] = True  # the first chunk is the full prefill's KV
         stats.extra["positions"] = request.positions or self.positions
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question

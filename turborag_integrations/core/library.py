@@ -2,8 +2,16 @@
 
 Keys, encoding and storing chunk blobs (`encode_chunks`, `prepare_chunks`), finding them in the
 engine's namespace and then in the shared ones (`blob_for`), the plain blobs of prompt heads
-(`prefix_blob`), the stock separators between chunks, and keeping a blob made while answering
-(`keep`). `TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the
+(`prefix_blob`), lead blobs (`add_prompt_head`, `lead_blob`), the stock separators between
+chunks, and keeping a blob made while answering (`keep`).
+
+Lead blobs: the retriever puts its best chunk first, right after the template's head, and a
+stitched prompt loses most where that chunk holds the answer (docs/accuracy.md). A chunk's KV
+computed right after a prompt head is exactly what a full prefill computes for the chunk that
+follows that head. An engine told its app's prompt heads (`add_prompt_head`) encodes each chunk
+once more after each of them, at ingestion, and a prompt whose first chunk follows a known head
+stitches that lead blob: the first chunk exact, at no query-time cost. The other chunks keep
+their usual blobs. `TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the
 library needs only the two chunk encoders and a store.
 """
 
@@ -18,6 +26,7 @@ import xxhash
 from .errors import EmptyChunkError
 from .prefill.chunk_encoder import ChunkEncoder
 from .kv.blob import Fingerprint, KVBlob
+from .prefill.segment import tokenize_with_starts
 from .prefill.separators import separator_ids
 from .store import KVStore, StoreWriteError
 
@@ -49,6 +58,24 @@ class KeyCache:
             self._keys[(namespace, digest)] = key
 
 
+def head_ids(tokenizer, head: str) -> list[int]:
+    """The token ids of prompt head `head` as a prompt has them before a chunk. A head alone
+    can tokenize otherwise: a BPE tokenizer gives "context:\n\n" one "\n\n" token, but
+    "context:\n\nThe…" a "\n" and a "\n" (its last whitespace joins the next word's run).
+    So the head is tokenized before a word, and its own tokens kept."""
+    if not head:
+        return []
+    found = tokenize_with_starts(tokenizer, head + _WORD)
+    if found is None:  # no offsets: the head alone is what the prompt's pieces get too
+        return list(tokenizer(head, add_special_tokens=False)["input_ids"])
+    ids, starts = found
+    ends = starts[1:] + [len(head) + len(_WORD)]
+    return [i for i, end in zip(ids, ends) if end <= len(head)]
+
+
+_WORD = "The"
+
+
 class ChunkLibrary:
     """Chunk and prompt-head blobs of one namespace of a store; see the module docstring.
 
@@ -65,6 +92,9 @@ class ChunkLibrary:
         self.fingerprint: Fingerprint = encoder.fingerprint
         self.prefix_fingerprint: Fingerprint = prefix_encoder.fingerprint
         self._separators: dict[tuple[int, ...], KVBlob] | None = None
+        # prompt head ids -> the encoder of chunks after that head (no anchor, context or learned
+        # encoding: exactly a full prefill's KV); one dict for an engine and its views
+        self._leads: dict[tuple[int, ...], ChunkEncoder] = {}
         self._bind(store, shared)
 
     def _bind(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]",
@@ -149,7 +179,61 @@ class ChunkLibrary:
                 progress(done_before + start + len(batch), len(texts))
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
+        for encoder in list(self._leads.values()):
+            self._encode_with(encoder, ids, doc_ids)
         return keys
+
+    def _encode_with(self, encoder: ChunkEncoder, ids: Sequence[Sequence[int]],
+                     doc_ids: Sequence[str | None] | None) -> None:
+        """Store `encoder`'s blobs of the chunk ids that have none yet (each distinct chunk
+        once); a stored one gains the document's reference."""
+        todo: dict[str, int] = {}
+        for i, chunk in enumerate(ids):
+            key = self.store.key(encoder.fingerprint, chunk)
+            if key in todo or self.store.contains(key):
+                if doc_ids and doc_ids[i] and key not in todo:
+                    self.store.add_ref(key, doc_ids[i])
+                continue
+            todo[key] = i
+        order = list(todo.values())
+        step = encoder.batch_size * 4
+        for start in range(0, len(order), step):
+            batch = order[start:start + step]
+            for i, blob in zip(batch, encoder.encode_ids([ids[i] for i in batch])):
+                self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
+
+    # ---- lead blobs (see the module docstring) ----------------------------------------------
+    def add_prompt_head(self, head: str | Sequence[int]) -> tuple[int, ...]:
+        """Encode chunks also right after `head` (a prompt's text before its first chunk, or its
+        token ids as the whole prompt has them), from the next ingestion on; returns its ids.
+
+        Each head costs one more encoding and blob per chunk. A prompt whose first chunk
+        follows this head exactly then stitches that chunk's lead blob, which equals a full
+        prefill's KV (a chunk ingested before the head was added gets its lead blob encoded
+        when a prompt first needs it)."""
+        ids = tuple(head_ids(self.prefix_encoder.tokenizer, head) if isinstance(head, str)
+                    else head)
+        if not ids:
+            raise ValueError("a prompt head needs at least one token: give the text a prompt "
+                             "has before its first chunk")
+        if ids not in self._leads:
+            e = self.encoder
+            self._leads[ids] = ChunkEncoder(e.model, e.tokenizer, e.fingerprint,
+                                            batch_size=e.batch_size, anchor_ids=ids)
+        return ids
+
+    @property
+    def prompt_heads(self) -> list[tuple[int, ...]]:
+        """The token ids of the prompt heads chunks are also encoded after."""
+        return list(self._leads)
+
+    def lead_blob(self, text: str, head_ids: Sequence[int]) -> KVBlob | None:
+        """The blob of chunk `text` encoded right after the prompt head `head_ids`, encoded and
+        kept now if it is missing; None if that head was never added."""
+        encoder = self._leads.get(tuple(head_ids))
+        if encoder is None:
+            return None
+        return self._blob(text, encoder, encode_missing=True)
 
     def _wants_context(self, i: int, contexts: Sequence[str | None] | None) -> bool:
         return bool(contexts is not None and contexts[i] and self.encoder.context_tokens)
@@ -249,7 +333,7 @@ class ChunkLibrary:
         except EmptyChunkError:
             return None
         blob = self.store.get(key, encoder.fingerprint)
-        if blob is None and encoder is self.encoder:
+        if blob is None and encoder is not self.prefix_encoder:
             for other in self._shared:  # read-only namespaces, in order
                 blob = other.store.get(other._key(text, encoder), encoder.fingerprint)
                 if blob is not None:

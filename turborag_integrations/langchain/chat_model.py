@@ -52,6 +52,9 @@ class TurboRAGChatModel(TurboRAGParams, StreamingChatModel):
         """The exact prompt text the model sees (chat template applied)."""
         return self.get_engine().render_chat(to_chat(messages))
 
+    def render_prompt(self, value) -> str:
+        return self.render(value.to_messages())
+
     def open_stream(self, messages: list[BaseMessage], stop: list[str] | None,
                     kwargs: dict) -> GenerationStream:
         return self.start(self.render(messages), stop, kwargs)

@@ -15,6 +15,7 @@ from langchain_core.documents import Document
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..core.engine import TurboRAGEngine
+from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
 from ..core.run import GenerationStats, GenerationStream
@@ -157,6 +158,24 @@ class TurboRAGParams(SamplingParams):
         if self.engine is not None:
             return self.engine.loaded.name
         return "smollm2-135m-instruct"
+
+    def render_prompt(self, value) -> str:
+        """The prompt text this model sees for a formatted LangChain prompt value."""
+        return value.to_string()
+
+    def add_prompt(self, prompt, context_key: str = "context") -> str:
+        """Encode chunks also right after the head of `prompt` (a LangChain prompt template
+        whose `context_key` takes the retrieved documents), as this model renders it; returns
+        that head. The first chunk of a prompt made from the template is then stitched from
+        that blob, exactly as a full prefill computes it (core/library.py, lead blobs). Call it
+        before ingesting: chunks ingested before get theirs when a prompt first needs it."""
+        if context_key not in prompt.input_variables:
+            raise ValueError(f"the prompt has no {{{context_key}}} for the retrieved documents "
+                             f"(it takes {sorted(prompt.input_variables)}): name the one that "
+                             "does as context_key")
+        values = {v: VALUE_MARKER for v in prompt.input_variables}
+        values[context_key] = CONTEXT_MARKER
+        return self.get_engine().add_prompt(self.render_prompt(prompt.format_prompt(**values)))
 
     # ---- one call -------------------------------------------------------------------------
     def decoding_options(self, call: dict) -> dict:

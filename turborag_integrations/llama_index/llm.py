@@ -20,6 +20,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..core.engine import TurboRAGEngine
 from ..core.models import DEFAULT_MODEL
+from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
 from ..core.run import GenerationResult, GenerationStream
@@ -38,7 +39,8 @@ def stats_payload(result: GenerationResult) -> dict:
     return {"ttft_s": s.ttft_s, "reused_tokens": s.reused_tokens,
             "prefilled_tokens": s.prefilled_tokens, "cache_hits": s.cache_hits,
             "cache_misses": s.cache_misses, "prompt_tokens": s.prompt_tokens,
-            "new_tokens": s.new_tokens, "finish_reason": s.finish_reason, "mode": s.mode}
+            "new_tokens": s.new_tokens, "finish_reason": s.finish_reason, "mode": s.mode,
+            "lead_blob": bool(s.extra.get("lead_blob"))}
 
 
 class TurboRAGLLM(EngineBound, StreamingLLM):
@@ -85,6 +87,11 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                      "engine.namespaced(namespace); None: the engine's own")
     check_fingerprint: bool = Field(default=True, description="raise FingerprintMismatch when "
                                     "the prompt holds chunks registered for another model")
+    stock_head: bool = Field(default=True, description="encode chunks also right after the "
+                             "prompt head of the query engines' default text QA template, so "
+                             "that the chunk they put first is stitched exactly as a full "
+                             "prefill computes it (one more blob per chunk; `add_prompt` for "
+                             "other templates)")
 
     _engine: TurboRAGEngine = PrivateAttr()
     _registry: ChunkRegistry = PrivateAttr()
@@ -108,6 +115,11 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         self._bind(engine, registry, self.namespace)
         if self.context_window is None:
             self.context_window = engine.context_window
+        if self.stock_head:
+            from llama_index.core.prompts.default_prompt_selectors import \
+                DEFAULT_TEXT_QA_PROMPT_SEL
+
+            self.add_prompt(DEFAULT_TEXT_QA_PROMPT_SEL)
 
     @classmethod
     def class_name(cls) -> str:
@@ -155,6 +167,24 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         if self.system_prompt:
             messages.insert(0, ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt))
         return self.chat_prompt(messages)
+
+    def add_prompt(self, template, context_key: str = "context_str") -> str:
+        """Encode chunks also right after the head of `template` (a LlamaIndex prompt template
+        whose `context_key` takes the retrieved chunks), as this LLM renders it; returns that
+        head. The first chunk of a prompt made from the template is then stitched from that
+        blob, exactly as a full prefill computes it (core/library.py, lead blobs). Chunks
+        ingested before get theirs when a prompt first needs it."""
+        values = {v: VALUE_MARKER for v in template.template_vars if v != context_key}
+        if context_key not in template.template_vars:
+            raise ValueError(f"the template has no {{{context_key}}} for the retrieved chunks "
+                             f"(it takes {sorted(template.template_vars)}): name the one that "
+                             "does as context_key")
+        values[context_key] = CONTEXT_MARKER
+        if self.metadata.is_chat_model:
+            rendered = self.chat_prompt(template.format_messages(llm=self, **values))
+        else:
+            rendered = self.completion_prompt(template.format(llm=self, **values))
+        return self._engine.add_prompt(rendered)
 
     # ---- generation -----------------------------------------------------------------------
     def chunks_in(self, prompt: str) -> list[str]:

@@ -1,0 +1,107 @@
+"""Lead blobs: a chunk encoded right after a prompt head is the full prefill's KV of the chunk
+that follows that head, so a prompt's first chunk stitched from it is exact."""
+
+import pytest
+import torch
+
+from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.settings import GenerationConfig
+
+HEAD = "<s>system\nUse the context to answer.</s>\n<s>user\nContext:\n"
+CHUNKS = ["Alice was born in Paris in 1901 and moved to Lyon.",
+          "Bob keeps three red bicycles in his garage."]
+QUESTION = "\nQ: where was Alice born?\nA:"
+
+
+def last_logits(engine, prompt, chunks, **kwargs):
+    segments, _, _ = engine.segments(prompt, chunks)
+    return engine.prefill(segments, **kwargs).logits[-1].float(), segments
+
+
+@pytest.fixture
+def engine(tiny_llama, tmp_path):
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD]) as made:
+        made.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])
+        yield made
+
+
+def test_first_chunk_after_a_known_head_is_the_full_prefill(engine):
+    """One chunk: the stitched prompt's logits are the full prefill's. Two chunks: the lead
+    blob gives what recomputing the first chunk (recovery "first") gives, at no query cost."""
+    prompt = HEAD + CHUNKS[0] + QUESTION
+    lead, segments = last_logits(engine, prompt, CHUNKS[:1])
+    assert engine.is_lead(segments[1].blob) and segments[1].blob.base_position == len(
+        engine.prompt_heads[0])
+    full, _ = last_logits(engine, prompt, [])
+    torch.testing.assert_close(lead, full, atol=1e-4, rtol=0)
+
+    prompt = HEAD + "\n\n".join(CHUNKS) + QUESTION
+    lead, _ = last_logits(engine, prompt, CHUNKS)
+    other = TurboRAGEngine(engine.loaded, store=engine.store)  # no prompt heads
+    usual, segments = last_logits(other, prompt, CHUNKS)
+    assert not any(other.is_lead(s.blob) for s in segments)
+    recomputed, _ = last_logits(other, prompt, CHUNKS, recovery="first")
+    torch.testing.assert_close(lead, recomputed, atol=1e-4, rtol=0)
+    assert (usual - recomputed).abs().max() > 1e-3  # the usual first blob is not exact
+
+
+def test_only_the_first_chunk_after_that_very_head_uses_it(engine):
+    cfg = GenerationConfig(max_new_tokens=2)
+    known = engine.generate(HEAD + "\n\n".join(CHUNKS) + QUESTION, chunks=CHUNKS, config=cfg)
+    assert known.stats.extra["lead_blob"] is True and known.stats.cache_hits == 2
+    other = "<s>user\nRead this:\n" + "\n\n".join(CHUNKS) + QUESTION
+    assert "lead_blob" not in engine.generate(other, chunks=CHUNKS, config=cfg).stats.extra
+    segments, _, _ = engine.segments(HEAD + "\n\n".join(CHUNKS) + QUESTION, CHUNKS)
+    # the head's own blob, the first chunk's lead blob, the separator's and the second chunk's
+    assert [engine.is_lead(s.blob) for s in segments if s.cached] == [False, True, False, False]
+
+
+def test_a_head_added_after_ingestion_encodes_lead_blobs_when_first_needed(tiny_llama, tmp_path):
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv") as engine:
+        engine.encode_chunks(CHUNKS)
+        before = set(engine.store.keys())
+        ids = engine.add_prompt_head(HEAD)
+        assert engine.prompt_heads == [ids]
+        result = engine.generate(HEAD + CHUNKS[1] + QUESTION, chunks=CHUNKS[1:],
+                                 config=GenerationConfig(max_new_tokens=2))
+        assert result.stats.extra["lead_blob"] is True
+        added = set(engine.store.keys()) - before
+        assert len([k for k in added if k != engine.prefix_key(HEAD)]) == 1  # kept for next time
+
+
+def test_lead_blobs_are_stored_once_and_go_with_their_document(engine):
+    leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
+    assert len(leads) == 2
+    engine.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])  # nothing new
+    assert len(engine.store.keys()) == 4
+    engine.forget_document("d1")
+    engine.forget_document("d2")
+    assert engine.store.keys() == []
+
+
+def test_prompt_head_from_a_rendered_template(engine):
+    rendered = HEAD + "@@CONTEXT@@" + QUESTION
+    assert engine.prompt_head(rendered, "@@CONTEXT@@") == HEAD
+    with pytest.raises(ValueError, match="context marker"):
+        engine.prompt_head(HEAD + QUESTION, "@@CONTEXT@@")
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_prompt_head("")
+
+
+def test_a_head_is_matched_as_a_prompt_tokenizes_it_before_a_chunk(tmp_path):
+    """A BPE tokenizer with a "\\n\\n" token gives a head ending in a blank line one token
+    alone, but two "\\n" before the chunk's first word: the head is registered as prompts
+    have it, or no prompt would ever match it."""
+    from tests.conftest import tiny_model
+
+    loaded = tiny_model("llama", merges=(("Ċ", "Ċ"),))
+    head = "<s>system\nAnswer from the context:\n\n"
+    alone = loaded.tokenizer(head, add_special_tokens=False)["input_ids"]
+    with TurboRAGEngine(loaded, store=tmp_path / "kv", prompt_heads=[head]) as engine:
+        assert len(engine.prompt_heads[0]) == len(alone) + 1
+        engine.encode_chunks(CHUNKS)
+        prompt = head + CHUNKS[0] + QUESTION
+        lead, segments = last_logits(engine, prompt, CHUNKS[:1])
+        assert engine.is_lead(segments[1].blob)
+        full, _ = last_logits(engine, prompt, [])
+        torch.testing.assert_close(lead, full, atol=1e-4, rtol=0)
