@@ -35,6 +35,10 @@ CHUNKS = [
 ]
 
 
+# a head the HF engine is told (`prompt_heads`): the first chunk after it has a lead blob
+LEAD_HEAD = ("<|im_start|>system\nUse the context below.<|im_end|>\n<|im_start|>user\n"
+             "Context:\n")
+
 # chunks with no trailing newline, joined by "\n\n" (and no stored chunk that contains one)
 SEPARATED = [
     "The observatory on Mount Pell opened in 1968 and its largest telescope has a 2.4 metre "
@@ -76,6 +80,19 @@ def main(model_dir: str, out_path: str) -> None:
     p_causal = HEAD + "".join(CHUNKS[2:]) + question("When is the market held?")
     ref = {"stitched": hf(p_stitched, CHUNKS[:3]), "deleted": hf(p_deleted, CHUNKS[1:4]),
            "corrupt": hf(p_corrupt, [CHUNKS[3], CHUNKS[0]])}
+    # a lead blob: the first chunk after LEAD_HEAD, encoded right after it by an engine on the
+    # same store that was told that head; the connector claims it for that chunk
+    lead_engine = TurboRAGEngine(engine.loaded, store=engine.store, encoder=ENCODER,
+                                 prompt_heads=[LEAD_HEAD])
+    lead_engine.encode_chunks(CHUNKS[:3])
+    p_lead = LEAD_HEAD + "".join(CHUNKS[:3]) + question("Who completed the Varnholt bridge, and when?")
+    lead_turbo = lead_engine.generate(p_lead, chunks=CHUNKS[:3], config=config)
+    lead_plan = plan_prompt(lead_engine.segments(p_lead, CHUNKS[:3])[0], engine.tokenizer)
+    ref["lead"] = {"ids": lead_plan.token_ids, "turbo": lead_turbo.token_ids,
+                   "reused": lead_turbo.stats.reused_tokens,
+                   "hf_lead": bool(lead_turbo.stats.extra.get("lead_blob")),
+                   "same_ids": engine.tokenizer(p_lead, add_special_tokens=False)["input_ids"]
+                   == lead_plan.token_ids}
     # separators: chunks joined by "\n\n", as LlamaIndex joins them: both engines stitch the
     # separator between two chunks from its stored blob
     sep_chunks = SEPARATED
@@ -123,6 +140,10 @@ def main(model_dir: str, out_path: str) -> None:
     r = ref["stitched"]
     results["stitched"] = {**run(r["ids"], "turborag"), "hf_turbo": r["turbo"],
                            "hf_reused": r["reused"], "same_ids": r["same_ids"]}
+    le = ref["lead"]
+    results["lead"] = {**run(le["ids"], "turborag"), "hf_turbo": le["turbo"],
+                       "hf_reused": le["reused"], "hf_lead": le["hf_lead"],
+                       "same_ids": le["same_ids"]}
     sp = ref["separated"]
     results["separated"] = {**run(sp["ids"], "turborag"), "hf_turbo": sp["turbo"],
                             "same_ids": sp["same_ids"], "separator_stored": sp["separator_stored"]}

@@ -24,6 +24,25 @@ def test_head_blob_then_adjacent_chunks():
     assert claim.end == 25 and claim.chunk_tokens == 20
 
 
+def test_the_first_chunk_after_the_head_is_claimed_from_its_lead_blob():
+    heads = {tuple(PROMPT[:5]): "head"}
+    chunk_a = tuple(range(100, 110))
+    leads = {(tuple(PROMPT[:5]), chunk_a): ("a@head", "anchor:5:x")}
+    claim = plan_claim(PROMPT, [match(5, "a", 10), match(15, "b", 10)],
+                       lambda ids: heads.get(tuple(ids)),
+                       lead_key=lambda head, chunk: leads.get((tuple(head), tuple(chunk))))
+    assert claim.spans == [ClaimedSpan("head", 0, 5, True),
+                           ClaimedSpan("a@head", 5, 10, False, lead="anchor:5:x"),
+                           ClaimedSpan("b", 15, 10, False)]
+    # no lead blob for that head: the usual one; a chunk that starts the prompt has no head
+    assert plan_claim(PROMPT, [match(5, "a", 10)], lambda ids: heads.get(tuple(ids)),
+                      lead_key=lambda head, chunk: None).spans[1].key == "a"
+    asked = []
+    plan_claim(PROMPT, [match(0, "a", 10)], no_head,
+               lead_key=lambda head, chunk: asked.append(head))
+    assert asked == []
+
+
 def test_a_gap_between_chunks_ends_the_claim():
     claim = plan_claim(PROMPT, [match(0, "a", 10), match(12, "b", 10)], no_head)
     assert [s.key for s in claim.spans] == ["a"] and claim.end == 10

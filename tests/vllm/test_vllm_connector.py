@@ -52,6 +52,17 @@ def test_stitched_kv_gives_the_hf_engines_turbo_answer(measured):
     assert case["tokens"] == case["hf_turbo"]
     assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
     assert case["params"]["turborag"]["spans"] == 4  # the prompt head and three chunks
+    assert case["params"]["turborag"]["lead_blob"] is False  # no lead blobs after this head
+
+
+def test_the_first_chunk_after_a_known_head_is_claimed_from_its_lead_blob(measured):
+    """An HF engine told the prompt head stored a lead blob for the first chunk; vLLM claims
+    it and answers as that engine does (its first chunk exactly the full prefill's)."""
+    case = measured[0]["lead"]
+    assert case["hf_lead"] and case["same_ids"]
+    assert case["params"]["turborag"]["lead_blob"] is True
+    assert case["params"]["turborag"]["claimed_tokens"] == case["hf_reused"]
+    assert case["tokens"] == case["hf_turbo"]
 
 
 def test_chunks_joined_by_separators_are_stitched_through_the_stored_separator(measured):

@@ -29,6 +29,9 @@ class ClaimedSpan:
     length: int
     plain: bool  # a prompt-head blob (positions 0..n−1, no rotation)
     separator: bool = False  # a stored separator between two chunks (encoded like a chunk)
+    # a lead blob (the first chunk encoded right after this prompt's head, core/library.py):
+    # the fingerprint encoding it was stored under; None for the usual chunk encoding
+    lead: str | None = None
 
 
 @dataclass
@@ -48,14 +51,18 @@ class Claim:
 def plan_claim(prompt_ids: Sequence[int], matches: Sequence[SpanMatch],
                head_key: Callable[[Sequence[int]], str | None],
                separator_key: Callable[[Sequence[int]], str | None] = lambda ids: None,
-               max_separator: int = 4) -> Claim:
+               max_separator: int = 4,
+               lead_key: Callable[[Sequence[int], Sequence[int]],
+                                  tuple[str, str] | None] = lambda head, chunk: None) -> Claim:
     """The longest claimable prefix of `prompt_ids`: the head, then chunks, each right after
     the one before or after a stored separator of at most `max_separator` tokens.
 
     `matches` are the finder's non-overlapping matches over the prompt; `head_key(ids)` and
     `separator_key(ids)` return the key of a stored plain (head) or chunk-encoded (separator)
-    blob of exactly these ids, or None. The last prompt token is never claimed: vLLM must
-    compute at least one token to produce the first new one.
+    blob of exactly these ids, or None; `lead_key(head_ids, chunk_ids)` the (key, encoding) of
+    the stored lead blob of the chunk right after that head, or None (then its usual blob is
+    claimed). The last prompt token is never claimed: vLLM must compute at least one token to
+    produce the first new one.
     """
     limit = len(prompt_ids) - 1
     matches = [m for m in matches if m.end <= limit]
@@ -76,9 +83,17 @@ def plan_claim(prompt_ids: Sequence[int], matches: Sequence[SpanMatch],
         spans.append(ClaimedSpan(key, 0, first.start, True))
         rest = matches
     cursor = spans[-1].length
+    head = prompt_ids[:cursor] if spans[0].plain else None
     for match in rest:
         if match.entry.plain or match.start < cursor:
             break
+        if head is not None and match.start == cursor and len(spans) == 1:
+            lead = lead_key(head, match.entry.token_ids)
+            if lead is not None:  # the first chunk, exactly as a full prefill computes it
+                spans.append(ClaimedSpan(lead[0], match.start, len(match.entry.token_ids),
+                                         False, lead=lead[1]))
+                cursor = match.end
+                continue
         if match.start > cursor:
             gap = prompt_ids[cursor:match.start]
             key = separator_key(gap) if len(gap) <= max_separator else None

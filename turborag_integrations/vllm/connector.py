@@ -77,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..core.kv.blob import Fingerprint, KVBlob
+from ..core.prefill.chunk_encoder import chunk_encoding
 from ..core.prefill.rope import KeyRotator
 from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
 from ..core.prefill.token_spans import non_overlapping
@@ -375,6 +376,18 @@ class TurboRAGConnector(KVConnectorBase_V1):
             return None
         return key
 
+    def _lead_key(self, spaces: list[Space], head, chunk) -> tuple[str, str] | None:
+        """(key, encoding) of the chunk's lead blob after this head (encoded right after it,
+        as the HF engine does for the prompt heads it is told: core/library.py), in the first
+        of the request's namespaces that holds one; None where none does."""
+        encoding = chunk_encoding(list(head))
+        fp = self.chunk_fp.with_encoding(encoding)
+        for space in spaces:
+            key = space.store.key(fp, list(chunk))
+            if space.store.contains(key):
+                return key, encoding
+        return None
+
     def _named_chunks(self, request, spaces: list[Space]) -> dict | None:
         """Chunk texts the client names in `kv_transfer_params.turborag_chunks`: indexed now if
         stored in one of the request's namespaces (no wait for the next look at the store); the
@@ -442,7 +455,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 else:
                     space.index.discard(match.entry.key)
         claim = plan_claim(ids, non_overlapping(matches), lambda i: self._head_key(own, i),
-                           self._separator_key)
+                           self._separator_key,
+                           lead_key=lambda head, chunk: self._lead_key(spaces, head, chunk))
         self._claims[request.request_id] = claim
         if named is not None:
             self._named[request.request_id] = named
@@ -560,6 +574,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
                                     "chunk_tokens": claim.chunk_tokens,
                                     "spans": len(claim.spans),
                                     "separators": sum(s.separator for s in claim.spans),
+                                    "lead_blob": any(s.lead for s in claim.spans),
                                     **named}}
 
     # ---- worker side ------------------------------------------------------------------------
@@ -595,7 +610,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
             hi = span.start + span.length
             if lo >= hi:
                 continue
-            fp = meta.prefix_fp if span.plain else meta.chunk_fp
+            fp = meta.prefix_fp if span.plain else (
+                meta.chunk_fp.with_encoding(span.lead) if span.lead else meta.chunk_fp)
             try:
                 if self._store is None:
                     raise RuntimeError("this worker could not open the store")
