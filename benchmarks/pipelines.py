@@ -262,7 +262,10 @@ class LangChainPipeline:
             bar = tqdm(total=len(chunks), desc="encoding chunk KV", unit="chunk")
         try:
             if self.lead:  # before ingesting, so that the lead blobs are encoded with the rest
-                self.chat_model.add_prompt(self.prompt)
+                try:
+                    self.chat_model.add_prompt(self.prompt)
+                except ValueError as exc:  # a question-first prompt without question_last
+                    print(f"{self.name}: no lead blobs: {exc}", file=sys.stderr)
             self.store = KVCachingVectorStore(
                 engine=self.engine, embedding=self.embeddings, persist_directory=str(self.path),
                 collection_name=collection,

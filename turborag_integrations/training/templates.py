@@ -148,7 +148,8 @@ def _llama_index_prompt(recorder: _ChatRecorder, template: Any, **prompt_args: s
     from ..core.registry import ChunkRegistry
     from ..llama_index.llm import TurboRAGLLM
 
-    llm = TurboRAGLLM(engine=chat_only_engine(recorder), registry=ChunkRegistry())
+    llm = TurboRAGLLM(engine=chat_only_engine(recorder), registry=ChunkRegistry(),
+                      stock_head=False)  # it only renders: no blobs to encode
     # LLM.predict on a chat model: template.format_messages(llm=...) (the selector picks the
     # chat prompt for is_chat_model), plus any system prompt; then chat(messages).
     messages = llm._get_messages(template, **prompt_args)
