@@ -99,13 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     if not docs:
         print(f"no {sorted(SUFFIXES)} files under {[str(d) for d in args.docs]}", file=sys.stderr)
         return 1
+    llm = TurboRAGChatModel(engine=engine, max_tokens=args.max_tokens)
+    # before ingesting: each chunk is also encoded right after this prompt's head, so the
+    # chunk the retriever puts first is stitched exactly as a full prefill computes it
+    llm.add_prompt(PROMPT)
     t0 = time.perf_counter()
     store.add_documents(docs)
     print(f"ingested {len(docs)} chunks of ≤{args.chunk_tokens} tokens in "
           f"{time.perf_counter() - t0:.1f} s ({engine.loaded.name}, store {workdir})")
 
     retriever = store.as_retriever(search_kwargs={"k": args.top_k})
-    llm = TurboRAGChatModel(engine=engine, max_tokens=args.max_tokens)
     context = {"context": retriever | RunnableLambda(format_docs),
                "question": RunnablePassthrough()}
     chains = {"turbo": context | PROMPT | llm | StrOutputParser(),

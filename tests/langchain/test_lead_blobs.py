@@ -52,3 +52,13 @@ def test_question_first_prompts_need_question_last(engine, tmp_path):
     assert "Question" not in head and len(turned.prompt_heads) == 1
     with pytest.raises(ValueError, match="no {context}"):
         TurboRAGChatModel(engine=turned).add_prompt(ChatPromptTemplate.from_template("{q}"))
+
+
+def test_a_string_llm_registers_the_text_before_its_context(engine):
+    from langchain_core.prompts import PromptTemplate
+
+    from turborag_integrations.langchain import TurboRAGLLM
+
+    head = TurboRAGLLM(engine=engine).add_prompt(
+        PromptTemplate.from_template("Use the context.\n{context}\nQ: {question}\nA:"))
+    assert head == "Use the context.\n" and len(engine.prompt_heads) == 1
