@@ -11,8 +11,10 @@ computed right after a prompt head is exactly what a full prefill computes for t
 follows that head. An engine told its app's prompt heads (`add_prompt_head`) encodes each chunk
 once more after each of them, at ingestion, and a prompt whose first chunk follows a known head
 stitches that lead blob: the first chunk exact, at no query-time cost. The other chunks keep
-their usual blobs. `TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the
-library needs only the two chunk encoders and a store.
+their usual blobs.
+
+`TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the library
+needs only the two chunk encoders and a store.
 """
 
 from __future__ import annotations
@@ -196,6 +198,9 @@ class ChunkLibrary:
                 continue
             todo[key] = i
         order = list(todo.values())
+        if order:
+            log.info("encoding %d lead blob(s) after a %d-token prompt head", len(order),
+                     len(encoder.anchor_ids))
         step = encoder.batch_size * 4
         for start in range(0, len(order), step):
             batch = order[start:start + step]
