@@ -26,7 +26,7 @@ from .prefill.anchor import (CONTEXT_MARKER, DEFAULT_ANCHOR, VALUE_MARKER, ancho
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.context import DEFAULT_CONTEXT_TOKENS
 from .prefill.encoding import LearnedEncoding, resolve_encoder
-from .prefill.recovery import parse_recovery
+from .prefill.recovery import parse_recovery, without_first
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
 from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
@@ -340,7 +340,15 @@ class TurboRAGEngine(ChunkLibrary):
         # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,
         # so decoding writes fewer; drafts stay within the new tokens).
         return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room),
-                       pool=self.cache_pool, recovery=parse_recovery(recovery))
+                       pool=self.cache_pool, recovery=self.recovery_for(segments, recovery))
+
+    def recovery_for(self, segments: Sequence[Segment], recovery=None):
+        """The recovery that `prefill` runs for `segments`: `recovery` parsed, less its
+        first-chunk part where the first chunk is a lead blob (exact already)."""
+        recovery = parse_recovery(recovery)
+        if recovery is not None and any(self.is_lead(s.blob) for s in segments):
+            return without_first(recovery)
+        return recovery
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
@@ -401,7 +409,11 @@ class TurboRAGEngine(ChunkLibrary):
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
         if request.recovery is not None:
-            stats.extra["recovery"] = str(parse_recovery(request.recovery))
+            asked, ran = parse_recovery(request.recovery), self.recovery_for(segments,
+                                                                             request.recovery)
+            stats.extra["recovery"] = str(ran) if ran is not None else "none"
+            if str(asked) != stats.extra["recovery"]:
+                stats.extra["recovery_asked"] = str(asked)  # "first" over a lead blob: skipped
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
         limit = new_token_limit(config.max_new_tokens, self.context_window, plan.next_position)
         return Prepared(request, pre, stats, limit)

@@ -186,6 +186,17 @@ class Combined(Recovery):
         return sorted(out)
 
 
+def without_first(recovery: Recovery | None) -> Recovery | None:
+    """`recovery` less its first-chunk part, for a prompt whose first chunk is exact already (a
+    lead blob, core/library.py): recomputing it would give the same KV and cost its prefill."""
+    if isinstance(recovery, FirstChunkRecompute):
+        return None
+    if isinstance(recovery, Combined):
+        rest = [p for p in recovery.parts if not isinstance(p, FirstChunkRecompute)]
+        return None if not rest else rest[0] if len(rest) == 1 else Combined(rest)
+    return recovery
+
+
 def _decoder(model):
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
