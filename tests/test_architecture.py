@@ -32,7 +32,7 @@ GROUPS = {
     "store": [f"{CORE}.store"],
     "engine": [f"{CORE}.engine", f"{CORE}.library", f"{CORE}.request", f"{CORE}.run",
                f"{CORE}.registry", f"{CORE}.async_iter", f"{CORE}.batching", f"{CORE}.batch_worker",
-               f"{CORE}.scheduled"],
+               f"{CORE}.scheduled", f"{CORE}.prompt_template"],
     "rapid": [f"{CORE}.rapid"],
     "core": [CORE],  # core/__init__
     "llama_index": [f"{PACKAGE}.llama_index"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -303,6 +303,12 @@ def serve(
                                        help="stitch question-first prompts with the chunks "
                                        "moved before the question (docs/langchain.md)"),
     context_tokens: Optional[int] = ContextOpt,
+    prompt: List[Path] = typer.Option([], "--prompt", show_default=False,
+                                      help="the clients' prompt template (repeatable): a .json "
+                                      "list of chat messages, or prompt text, with {context} "
+                                      "where the chunks go; every chunk is also encoded after "
+                                      "its head, so a prompt's first chunk is exact (lead blobs, "
+                                      "docs/serving.md)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -324,6 +330,12 @@ def serve(
     if api_key is not None and keys is not None:
         _fail("give --api-key (one key, no tenants) or --keys (a file of tenants' keys), not "
               "both")
+    from .core.prompt_template import read_prompt_template
+
+    try:  # before the model loads: a bad file fails at once
+        prompts = [read_prompt_template(path) for path in prompt]
+    except ValueError as exc:
+        _fail(f"--prompt: {exc}")
     try:
         from .server.app import serve as run_server
     except ImportError as exc:
@@ -333,7 +345,8 @@ def serve(
                    encoder=encoder, mode=mode,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, keys=keys, threads=threads,
-                   question_last=question_last, context_tokens=context_tokens)
+                   question_last=question_last, context_tokens=context_tokens,
+                   prompts=prompts)
     except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
 

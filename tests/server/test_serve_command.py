@@ -1,7 +1,10 @@
 """`turborag serve`: its options reach the server, which loads the engine on a thread of its own,
 warms it up on the batch scheduler's thread, and runs uvicorn."""
 
+import json
 import threading
+
+import pytest
 
 import torch
 import uvicorn
@@ -14,10 +17,10 @@ from turborag_integrations.server import app as server_app
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "adapter": "none", "encoder": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
-            "question_last": False, "context_tokens": None}
+            "question_last": False, "context_tokens": None, "prompts": []}
 
 
-def test_serve_options_reach_the_server(monkeypatch):
+def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(server_app, "serve", lambda **kwargs: calls.append(kwargs))
     monkeypatch.delenv("TURBORAG_API_KEY", raising=False)
@@ -34,18 +37,36 @@ def test_serve_options_reach_the_server(monkeypatch):
         **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
         "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
         "question_last": True, "context_tokens": 256}
+    chat = tmp_path / "rag.json"
+    messages = [{"role": "system", "content": "Answer from the context."},
+                {"role": "user", "content": "Context:\n{context}\n\nQuestion: {question}"}]
+    chat.write_text(json.dumps(messages))
+    (tmp_path / "rag.txt").write_text("Read:\n{context}\nQ: {question}\nA:")
+    result = runner.invoke(cli, ["serve", "--prompt", str(chat), "--prompt",
+                                 str(tmp_path / "rag.txt")])
+    assert result.exit_code == 0, result.output
+    assert calls[-1]["prompts"] == [messages, "Read:\n{context}\nQ: {question}\nA:"]
     result = runner.invoke(cli, ["serve"], env={"TURBORAG_API_KEY": "k2"})
-    assert result.exit_code == 0 and calls[2]["api_key"] == "k2"
+    assert result.exit_code == 0 and calls[-1]["api_key"] == "k2"
 
 
-def test_serve_refuses_bad_options(monkeypatch):
-    monkeypatch.setattr(server_app, "serve", lambda **kwargs: None)
+def test_serve_refuses_bad_options(monkeypatch, tmp_path):
+    monkeypatch.setattr(server_app, "serve", lambda **kwargs: pytest.fail("served"))
+    no_context = tmp_path / "p.txt"
+    no_context.write_text("Question: {question}\nAnswer:")
+    not_chat = tmp_path / "p.json"
+    not_chat.write_text(json.dumps({"role": "user", "content": "{context}"}))
     runner = CliRunner()
     for args, says in ((["--mode", "fast"], "--mode must be one of turbo, naive"),
                        (["--max-body-bytes", "lots"], "--max-body-bytes: not a size"),
                        (["--max-body-bytes", "0"], "at least 1 byte"),
                        (["--api-key", ""], "--api-key is empty"),
                        (["--api-key", "k", "--keys", "keys.json"], "not both")):
+        result = runner.invoke(cli, ["serve", *args])
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+    for args, says in ((["--prompt", "missing.txt"], "cannot read the prompt template"),
+                       (["--prompt", str(no_context)], "has no {context}"),
+                       (["--prompt", str(not_chat)], "a list of chat messages")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
     for args in (["--max-batch", "0"], ["--max-queue", "0"], ["--threads", "0"]):
@@ -67,7 +88,7 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     before = torch.get_num_threads()
     try:
         server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k", threads=1,
-                         question_last=True)
+                         question_last=True, prompts=["Read:\n{context}\nQ: {question}\nA:"])
     finally:
         torch.set_num_threads(before)
     (model, store, adapter, encoder, question_last, loader), = made
@@ -80,4 +101,6 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     assert isinstance(app, FastAPI) and app.state.scheduler.max_batch == 3
     assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 9000
     assert ran[2] == "close"
+    assert engine.prompt_heads == [tuple(engine.tokenizer("Read:\n", add_special_tokens=False)
+                                         ["input_ids"])]  # the template's head, before serving
     app.state.scheduler.close()  # uvicorn did not run the app's shutdown

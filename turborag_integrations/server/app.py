@@ -20,6 +20,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.batching import BatchScheduler, on_own_thread
 from ..core.engine import TurboRAGEngine
+from ..core.prompt_template import Template, render_prompt_template
 from ..core.registry import ChunkRegistry
 from ..core.settings import MODES, check_choice
 from .finder import ChunkFinder
@@ -205,7 +207,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
           mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
           keys: str | Path | None = None, threads: int | None = None,
-          question_last: bool = False, context_tokens: int | None = None) -> None:
+          question_last: bool = False, context_tokens: int | None = None,
+          prompts: Sequence[Template] = ()) -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -213,7 +216,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     `threads` caps torch's threads (default: torch's own, one per core). Workers that share a
     machine should split its cores: two workers with a thread per core each keep twice as many
     OpenMP threads busy as there are cores, and every operation then waits for threads the other
-    process has taken (measured: 5.8x fewer requests/s; docs/serving.md).
+    process has taken (measured: 5.8x fewer requests/s; docs/serving.md). `prompts`: the
+    clients' prompt templates (core/prompt_template.py), whose heads get lead blobs.
     """
     import uvicorn
 
@@ -231,6 +235,9 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
                                                    question_last=question_last,
                                                    **engine_options))
     with engine:
+        for template in prompts:  # a template the engine cannot take fails before serving
+            head = engine.add_prompt(render_prompt_template(template, engine.render_chat))
+            log.info("lead blobs after a prompt head of %d characters", len(head))
         app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
                          max_body_bytes=max_body_bytes, api_key=api_key, keys=key_file)
         app.state.scheduler.call(engine.warmup).result()
