@@ -125,3 +125,17 @@ def test_first_chunk_recovery_is_skipped_over_a_lead_blob(engine):
     ran = other.generate(prompt, chunks=CHUNKS, config=cfg, recovery="first")
     assert ran.stats.extra["recovery"] == "first" and "recovery_asked" not in ran.stats.extra
     assert ran.stats.prefilled_tokens > plain.stats.prefilled_tokens
+
+
+def test_ingestion_progress_counts_the_lead_blobs(tiny_llama, tmp_path):
+    """A progress bar of ingestion ends at every blob written: one per chunk, and one more per
+    chunk and prompt head; what was stored before counts as done at once."""
+    seen = []
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD]) as engine:
+        engine.encode_chunks(CHUNKS, progress=lambda done, total: seen.append((done, total)))
+        assert seen[-1] == (4, 4) and {t for _, t in seen} == {4}
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never backwards
+        seen.clear()
+        engine.encode_chunks(CHUNKS + ["Carol paints lighthouses."],
+                             progress=lambda done, total: seen.append((done, total)))
+        assert seen[0] == (2, 6) and seen[-1] == (6, 6)

@@ -74,3 +74,11 @@ def test_add_prompt_takes_other_templates_and_refuses_what_cannot_have_a_head(tm
         llm.add_prompt(PromptTemplate("Q: {query_str}\nA:"))
     with pytest.raises(ValueError, match="before the context"):
         llm.add_prompt(PromptTemplate("Q: {query_str}\nRead:\n{context_str}\nA:"))
+
+
+def test_the_ingestion_bar_counts_the_lead_blobs(tmp_path, capsys):
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False)
+    TurboRAGLLM(engine, stock_head=True)  # registers the stock head
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma", show_progress=True)
+    store.add([TextNode(text=t, embedding=[float(i), 1.0, 0.0]) for i, t in enumerate(TEXTS)])
+    assert "6/6" in capsys.readouterr().err  # three chunks, each with its lead blob

@@ -167,8 +167,11 @@ class ChunkLibrary:
             log.info("re-encoding %d stored chunk(s) after their document's context: they "
                      "were encoded alone, at query time", len(replace))
         done_before = len(texts) - len(todo)
+        # one blob per chunk, and one more per chunk and prompt head (lead blobs)
+        leads = list(self._leads.values())
+        total = len(texts) * (1 + len(leads))
         if progress:
-            progress(done_before, len(texts))
+            progress(done_before, total)
         step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
@@ -178,17 +181,19 @@ class ChunkLibrary:
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None,
                                replace=keys[i] in replace)
             if progress:
-                progress(done_before + start + len(batch), len(texts))
+                progress(done_before + start + len(batch), total)
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
-        for encoder in list(self._leads.values()):
-            self._encode_with(encoder, ids, doc_ids)
+        for n, encoder in enumerate(leads, start=1):
+            self._encode_with(encoder, ids, doc_ids, progress=progress and (
+                lambda done, n=n: progress(len(texts) * n + done, total)))
         return keys
 
     def _encode_with(self, encoder: ChunkEncoder, ids: Sequence[Sequence[int]],
-                     doc_ids: Sequence[str | None] | None) -> None:
+                     doc_ids: Sequence[str | None] | None,
+                     progress: Callable[[int], None] | None = None) -> None:
         """Store `encoder`'s blobs of the chunk ids that have none yet (each distinct chunk
-        once); a stored one gains the document's reference."""
+        once); a stored one gains the document's reference. progress(chunks of `ids` done)."""
         todo: dict[str, int] = {}
         for i, chunk in enumerate(ids):
             key = self.store.key(encoder.fingerprint, chunk)
@@ -201,11 +206,16 @@ class ChunkLibrary:
         if order:
             log.info("encoding %d lead blob(s) after a %d-token prompt head", len(order),
                      len(encoder.anchor_ids))
+        done_before = len(ids) - len(order)
+        if progress:
+            progress(done_before)
         step = encoder.batch_size * 4
         for start in range(0, len(order), step):
             batch = order[start:start + step]
             for i, blob in zip(batch, encoder.encode_ids([ids[i] for i in batch])):
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None)
+            if progress:
+                progress(done_before + start + len(batch))
 
     # ---- lead blobs (see the module docstring) ----------------------------------------------
     def add_prompt_head(self, head: str | Sequence[int]) -> tuple[int, ...]:

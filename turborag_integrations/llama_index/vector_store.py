@@ -134,10 +134,13 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
         if show:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(todo), desc="encoding chunk KV", unit="chunk")
+            bar = tqdm(total=len(todo), desc="encoding chunk KV", unit="blob")
 
         def progress(done: int, total: int) -> None:
-            if bar is not None:
+            if bar is not None:  # total: a blob per chunk, and one per chunk and prompt head
+                if bar.total != total:
+                    bar.total = total
+                    bar.refresh()
                 bar.update(done - bar.n)
 
         try:
