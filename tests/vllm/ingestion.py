@@ -115,6 +115,14 @@ def main(model_dir: str, out_path: str) -> None:
         engine.encoder.anchor_ids + context + engine.encoder.tokenize(AFTER),
         ingest_params(context_len=len(context)))])[0]
 
+    # a lead blob: the first chunk right after HEAD (in a namespace of its own, so that the
+    # answers below stitch the usual blobs), as an engine told that head encodes it
+    from turborag_integrations.core.library import head_ids
+
+    lead_head = head_ids(engine.tokenizer, HEAD)
+    results["lead_ingested"] = ingest([(lead_head + engine.encoder.tokenize(CHUNKS[0]),
+                                        ingest_params("leads", head_len=len(lead_head)))])[0]
+
     # the HF engine's ChunkEncoder, same model, dtype and encoding, into its own store
     hf_keys = engine.encode_chunks(texts)
     hf_keys += engine.encode_chunks([AFTER], contexts=[CHUNKS[0]])
@@ -183,6 +191,21 @@ def main(model_dir: str, out_path: str) -> None:
                          "vllm_params": out.kv_transfer_params, "chunks": len(chunks),
                          "text": engine.tokenizer.decode(hf.token_ids)}
     results["answers"] = answers
+
+    told = TurboRAGEngine(engine.loaded, store=tempfile.mkdtemp(prefix="hf-leads-"),
+                          encoder=None, progress=False, context_tokens=CONTEXT_TOKENS,
+                          prompt_heads=[HEAD])
+    told.encode_chunks(CHUNKS[:1])
+    [theirs] = [b for b in map(told.store.get, told.store.keys()) if told.is_lead(b)]
+    space = made.namespace("leads")
+    key = space.key(theirs.fingerprint, theirs.token_ids.tolist())  # the HF blob's, in "leads"
+    ours = space.get(key, theirs.fingerprint)
+    results["lead_compare"] = {
+        "hf_key": key, "found": ours is not None,
+        "base_position": ours.base_position if ours else None,
+        "hf_base_position": theirs.base_position,
+        "keys_max_abs": float((ours.keys - theirs.keys).abs().max()) if ours else None,
+        "values_max_abs": float((ours.values - theirs.values).abs().max()) if ours else None}
     Path(out_path).write_text(json.dumps(results))
 
 

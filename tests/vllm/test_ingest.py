@@ -89,7 +89,8 @@ class StandIn(BaseHTTPRequestHandler):
         if len(body["prompt"]) > 100:
             reply, code = {"error": {"message": "prompt too long"}}, 400
         else:
-            key = "k" + "-".join(map(str, body["prompt"][-3:]))
+            lead = body["kv_transfer_params"].get("turborag_head_len", 0)  # another encoding
+            key = f"k{lead}:" + "-".join(map(str, body["prompt"][-3:]))
             reply, code = {"kv_transfer_params": {"turborag": {"ingest": {
                 "key": key, "stored": True, "existing": body["prompt"][-1] == 0}}}}, 200
         data = json.dumps(reply).encode()
@@ -186,3 +187,64 @@ def test_the_client_sends_each_chunk_after_its_context(encoder):
     assert with_context["kv_transfer_params"]["turborag_context_len"] == 12
     alone = min(bodies.values(), key=lambda b: len(b["prompt"]))
     assert "turborag_context_len" not in alone["kv_transfer_params"]
+
+
+HEAD = "<s>system\nAnswer from the context.</s>\n<s>user\nContext:\n"
+
+
+def test_a_lead_blob_is_planned_as_the_engine_encodes_it(encoder, tmp_path):
+    """head + chunk with turborag_head_len: the plan drops the head and keys the chunk under
+    the head's lead encoding — the key, fingerprint and base position of the lead blob an
+    engine told that head stores."""
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.library import head_ids
+
+    head = head_ids(encoder.tokenizer, HEAD)
+    chunk = encoder.tokenize(TEXT)
+    plan = plan_ingest(ingest_params(namespace="acme", head_len=len(head)), head + chunk,
+                       encoder.anchor_ids, max_chunk_tokens=encoder.max_chunk_tokens)
+    assert plan.chunk_ids == tuple(chunk) and plan.anchor_len == len(head)
+    assert plan.namespace == "acme" and plan.lead
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None,
+                            prompt_heads=[HEAD], progress=False)
+    engine.encode_chunks([TEXT])
+    [lead] = [engine.store.get(k) for k in engine.store.keys()
+              if engine.is_lead(engine.store.get(k))]
+    assert lead.fingerprint.encoding == plan.lead and lead.base_position == plan.anchor_len
+    assert engine.store.key(engine.fingerprint.with_encoding(plan.lead), chunk) == lead.key
+    for params, prompt, message in (
+            ({"turborag_ingest": True, "turborag_head_len": 0}, head + chunk, "positive"),
+            ({"turborag_ingest": True, "turborag_head_len": True}, head + chunk, "positive"),
+            (ingest_params(context_len=4, head_len=len(head)), head + chunk, "not both"),
+            (ingest_params(head_len=len(head)), head, "head only")):
+        with pytest.raises(IngestRequestError, match=message):
+            plan_ingest(params, prompt, encoder.anchor_ids,
+                        max_chunk_tokens=encoder.max_chunk_tokens, context_tokens=32)
+    with pytest.raises(IngestRequestError, match="split the chunk"):
+        plan_ingest(ingest_params(head_len=len(head)), head + chunk, encoder.anchor_ids,
+                    max_chunk_tokens=len(head) + len(chunk) - 1)
+
+
+def test_the_client_sends_each_chunk_after_each_head(encoder):
+    from turborag_integrations.core.library import head_ids
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    StandIn.bodies = []
+    texts, head_text = ["The Aldine sank.\n", "It had two masts.\n", "The Aldine sank.\n"], "Q&A:\n"
+    try:
+        report = ingest(texts, url=f"http://127.0.0.1:{server.server_port}", model="m",
+                        tokenizer=encoder.tokenizer, heads=[head_text])
+        with pytest.raises(ValueError, match="prompt head 0 is empty"):
+            ingest([TEXT], url=f"http://127.0.0.1:{server.server_port}", model="m",
+                   tokenizer=encoder.tokenizer, heads=[""])
+    finally:
+        server.shutdown()
+    assert len(StandIn.bodies) == 4  # two distinct chunks, each alone and after the head
+    head = head_ids(encoder.tokenizer, head_text)
+    leads = [b for _, b in StandIn.bodies if "turborag_head_len" in b["kv_transfer_params"]]
+    assert sorted(b["prompt"] for b in leads) == sorted(
+        head + encoder.tokenize(t) for t in texts[:2])
+    assert all(b["kv_transfer_params"]["turborag_head_len"] == len(head) for b in leads)
+    assert report.stored == 2 and report.lead_stored == 2 and not report.lead_errors
+    assert report.lead_keys[0][0] == report.lead_keys[0][2] != report.keys[0]

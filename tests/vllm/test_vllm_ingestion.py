@@ -102,3 +102,12 @@ def test_kv_both_refuses_ranks_that_do_not_split_the_kv_heads(ingested):
     message = ingested["tensor_parallel_refused"]
     assert message and "tensor_parallel_size 2 over 3 KV heads" in message
     assert "divides the KV heads" in message
+
+
+def test_a_lead_blob_ingested_on_vllm_equals_the_engines(ingested):
+    """head + chunk with turborag_head_len stores the lead blob an HF engine told that head
+    encodes: same key (the head's encoding), position and, within tolerance, KV."""
+    made, case = ingested["lead_ingested"], ingested["lead_compare"]
+    assert made["stored"] and made["lead"] and made["key"] == case["hf_key"]
+    assert case["found"] and case["base_position"] == case["hf_base_position"] > 0
+    assert case["keys_max_abs"] <= TOLERANCE and case["values_max_abs"] <= TOLERANCE

@@ -480,10 +480,12 @@ class TurboRAGConnector(KVConnectorBase_V1):
         except IngestRequestError as exc:
             return Ingestion(error=str(exc))
         store = self._store.namespace(plan.namespace)
-        key = store.key(self.chunk_fp, plan.chunk_ids)
+        # a lead blob is keyed by its head's encoding, as the HF engine's (core/library.py)
+        fp = self.chunk_fp.with_encoding(plan.lead) if plan.lead else self.chunk_fp
+        key = store.key(fp, plan.chunk_ids)
         existing = store.contains(key)
         alone = len(self._setup.anchor_ids)  # ingestion runs only without soft tokens
-        if existing and plan.anchor_len > alone:
+        if existing and plan.anchor_len > alone and not plan.lead:
             # as encode_chunks does: a blob encoded alone (at query time, by an HF engine on
             # the same store) gives way to this one, encoded after its document's context
             if store.base_position(key) == alone:
@@ -501,6 +503,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
         stored = ingestion.existing or (ingestion.sent and self._saved(ingestion))
         result = {"key": ingestion.key, "tokens": len(plan.chunk_ids), "stored": stored,
                   "existing": ingestion.existing, "replaced": plan.replace and stored}
+        if plan.lead:
+            result["lead"] = True
         if not stored:
             result["error"] = ("the worker did not store the blob (vLLM's log says why)"
                                if ingestion.sent else
@@ -725,7 +729,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
                     raise RuntimeError("this worker could not open the store")
                 blob = KVBlob(token_ids=torch.tensor(plan.chunk_ids, dtype=torch.long),
                               keys=keys, values=values,
-                              fingerprint=meta.chunk_fp, base_position=plan.anchor_len)
+                              fingerprint=(meta.chunk_fp.with_encoding(plan.lead)
+                                           if plan.lead else meta.chunk_fp),
+                              base_position=plan.anchor_len)
                 self._store.namespace(plan.namespace).put(blob, doc_id=plan.doc_id,
                                                           replace=plan.replace)
             except Exception as exc:

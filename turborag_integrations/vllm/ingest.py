@@ -14,6 +14,11 @@ document, `"turborag_context_len"` tokens of it), dropped like the anchor — sa
 base_position and key — so that a corpus is encoded by the serving fleet's engine rather than
 by one HF process. The response's `kv_transfer_params.turborag.ingest` says what became of it.
 
+A *lead blob* (core/library.py: a chunk encoded right after an app's prompt head, which the
+connector claims for a prompt's first chunk) is ingested the same way: the prompt is the head's
+token ids, as a prompt has them before a chunk, then the chunk's, with `"turborag_head_len"`
+naming the head's length; the connector stores the chunk under that head's lead encoding.
+
 This module is both ends of that request and imports no vLLM: `chunk_prompt` builds a prompt,
 `plan_ingest` checks one (the connector's scheduler), `ingest` sends chunk texts to a running
 server through its OpenAI completions API.
@@ -33,8 +38,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..core.errors import TurboRAGError
+from ..core.library import head_ids
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
-from ..core.prefill.chunk_encoder import chunk_token_ids
+from ..core.prefill.chunk_encoder import chunk_encoding, chunk_token_ids
 from ..core.prefill.context import DEFAULT_CONTEXT_TOKENS, context_token_ids
 from ..core.store.namespaces import check_namespace
 
@@ -42,6 +48,7 @@ INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chu
 NAMESPACE = "turborag_namespace"  # the store namespace (tenant) it goes into; default ""
 DOC_ID = "turborag_doc_id"  # the document it belongs to (KVStore.delete_doc forgets it)
 CONTEXT_LEN = "turborag_context_len"  # prompt tokens after the anchor that are the context
+HEAD_LEN = "turborag_head_len"  # the prompt's first tokens are a prompt head: a lead blob
 
 
 class IngestRequestError(TurboRAGError, ValueError):
@@ -58,6 +65,7 @@ class IngestPlan:
     namespace: str = ""
     doc_id: str | None = None
     replace: bool = False  # the stored blob under its key was encoded alone: overwrite it
+    lead: str | None = None  # a lead blob: the encoding of its prompt head (chunk_encoding)
 
     @property
     def prompt_len(self) -> int:
@@ -69,11 +77,13 @@ def wants_ingest(params) -> bool:
 
 
 def ingest_params(namespace: str = "", doc_id: str | None = None,
-                  context_len: int = 0) -> dict:
-    """The `kv_transfer_params` of an ingestion request."""
+                  context_len: int = 0, head_len: int = 0) -> dict:
+    """The `kv_transfer_params` of an ingestion request (head_len: of a lead blob's)."""
     params: dict = {INGEST: True}
     if context_len:
         params[CONTEXT_LEN] = context_len
+    if head_len:
+        params[HEAD_LEN] = head_len
     if namespace:
         params[NAMESPACE] = namespace
     if doc_id:
@@ -92,6 +102,8 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
             f"an ingestion request must not carry a cache_salt starting with {salt_prefix!r}: "
             "those requests are served from stitched KV, and a blob must be computed")
     prompt_ids, anchor = list(prompt_ids), list(anchor)
+    if HEAD_LEN in params:
+        return _plan_lead(params, prompt_ids, max_chunk_tokens)
     if prompt_ids[:len(anchor)] != anchor:
         raise IngestRequestError(
             f"the prompt does not start with the {len(anchor)} token ids of the anchor this "
@@ -118,6 +130,33 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
         raise IngestRequestError(
             f"a chunk of {len(chunk)} tokens after {context} context tokens exceeds the "
             f"{max_chunk_tokens} the window allows after the anchor; split the chunk")
+    return IngestPlan(tuple(chunk), len(anchor) + context, *_where(params))
+
+
+def _plan_lead(params: dict, prompt_ids: list[int], max_chunk_tokens: int) -> IngestPlan:
+    """A lead blob's request: the head is whatever the prompt's first HEAD_LEN tokens are (an
+    app's own text, not this connector's anchor), and the chunk follows it with no context."""
+    head_len = params[HEAD_LEN]
+    if isinstance(head_len, bool) or not isinstance(head_len, int) or head_len < 1:
+        raise IngestRequestError(f"{HEAD_LEN} is a positive whole number of tokens, not "
+                                 f"{head_len!r}")
+    if params.get(CONTEXT_LEN):
+        raise IngestRequestError(f"a lead blob follows its prompt head alone: give {HEAD_LEN} "
+                                 f"or {CONTEXT_LEN}, not both")
+    chunk = prompt_ids[head_len:]
+    if not chunk:
+        raise IngestRequestError(f"the prompt holds the {head_len}-token head only: no chunk "
+                                 "tokens after it to store")
+    if head_len + len(chunk) > max_chunk_tokens:
+        raise IngestRequestError(
+            f"a chunk of {len(chunk)} tokens after a {head_len}-token head exceeds the "
+            f"{max_chunk_tokens} tokens the encoder allows; split the chunk")
+    return IngestPlan(tuple(chunk), head_len, *_where(params),
+                      lead=chunk_encoding(prompt_ids[:head_len]))
+
+
+def _where(params: dict) -> tuple[str, str | None]:
+    """(namespace, doc_id) of an ingestion request, checked."""
     namespace = params.get(NAMESPACE) or ""
     doc_id = params.get(DOC_ID)
     try:
@@ -126,7 +165,7 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
         raise IngestRequestError(f"{NAMESPACE}: {exc}") from None
     if doc_id is not None and not isinstance(doc_id, str):
         raise IngestRequestError(f"{DOC_ID} is a string, not {type(doc_id).__name__}")
-    return IngestPlan(tuple(chunk), len(anchor) + context, namespace, doc_id or None)
+    return namespace, doc_id or None
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -146,6 +185,11 @@ class IngestReport:
     stored: int = 0  # distinct blobs this call had vLLM write
     existing: int = 0  # distinct blobs that were stored already
     errors: dict[int, str] = field(default_factory=dict)  # text index -> why it failed
+    # lead blobs, one per text and prompt head: head index -> each text's key (None: failed)
+    lead_keys: list[list[str | None]] = field(default_factory=list)
+    lead_stored: int = 0
+    lead_existing: int = 0
+    lead_errors: dict[tuple[int, int], str] = field(default_factory=dict)  # (head, text) -> why
 
 
 def _tokenizer(spec):
@@ -165,7 +209,8 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
            doc_ids: Sequence[str | None] | None = None, concurrency: int = 8,
            timeout: float = 600.0, api_key: str | None = None,
            contexts: Sequence[str | None] | None = None,
-           context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> IngestReport:
+           context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+           heads: Sequence[str] = ()) -> IngestReport:
     """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
 
     url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
@@ -175,6 +220,9 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
     contexts: the text before each one in its document (None for none), encoded before it as
     `encode_chunks` does, up to `context_tokens` tokens: the connector's "context_tokens", whose
     default this is (a connector with fewer refuses requests with more).
+    heads: an app's prompt heads (the text its prompts have before the first chunk, as
+    `TurboRAGEngine.add_prompt_head` takes it): each text is also sent right after each head,
+    and stored as that head's lead blob, which the connector claims for a prompt's first chunk.
     A text that cannot be tokenized (empty) raises before anything is sent; a request the server
     refuses is reported in `errors`; a server that cannot be reached raises ConnectionError.
     """
@@ -187,17 +235,25 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
     chunks = [chunk_token_ids(tok, t) for t in texts]
     befores = [context_token_ids(tok, contexts[i], context_tokens, texts[i]) if contexts else []
                for i in range(len(texts))]
-    prompts = [head + b + c for b, c in zip(befores, chunks)]
+    # (text index, head index or None, prompt ids, context length, head length)
+    jobs = [(i, None, head + b + c, len(b), 0) for i, (b, c) in enumerate(zip(befores, chunks))]
+    for h, text in enumerate(heads):
+        lead = head_ids(tok, text)
+        if not lead:
+            raise ValueError(f"prompt head {h} is empty: give the text prompts have before "
+                             "their first chunk")
+        jobs += [(i, h, lead + c, 0, len(lead)) for i, c in enumerate(chunks)]
     endpoint = url.rstrip("/")
     endpoint = (endpoint if endpoint.endswith("/v1") else endpoint + "/v1") + "/completions"
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
 
-    def send(i: int) -> dict:
-        body = {"model": model, "prompt": prompts[i], "max_tokens": 1, "temperature": 0,
+    def send(j: int) -> dict:
+        i, _, ids, context_len, head_len = jobs[j]
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": ingest_params(namespace, doc_ids[i] if doc_ids else None,
-                                                    len(befores[i]))}
+                                                    context_len, head_len)}
         request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -213,19 +269,33 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
         return result
 
     # a chunk repeated (for the same document) is sent once, as encode_chunks encodes it once
+    def same(j: int) -> tuple:
+        i, h, ids, _, _ = jobs[j]
+        return h, tuple(ids), doc_ids[i] if doc_ids else None
+
     first: dict[tuple, int] = {}
-    for i, ids in enumerate(prompts):
-        first.setdefault((tuple(ids), doc_ids[i] if doc_ids else None), i)
+    for j in range(len(jobs)):
+        first.setdefault(same(j), j)
     with ThreadPoolExecutor(max(1, concurrency)) as pool:
         sent = dict(zip(first.values(), pool.map(send, first.values())))
-    report = IngestReport(keys=[None] * len(texts))
-    written, held = set(), set()
-    for i, ids in enumerate(prompts):
-        result = sent[first[(tuple(ids), doc_ids[i] if doc_ids else None)]]
+    report = IngestReport(keys=[None] * len(texts),
+                          lead_keys=[[None] * len(texts) for _ in heads])
+    written: dict = {None: set()}
+    held: dict = {None: set()}
+    for j, (i, h, _, _, _) in enumerate(jobs):
+        result = sent[first[same(j)]]
         if result.get("error") or not result.get("stored"):
-            report.errors[i] = result.get("error") or "not stored"
+            why = result.get("error") or "not stored"
+            if h is None:
+                report.errors[i] = why
+            else:
+                report.lead_errors[(h, i)] = why
             continue
-        report.keys[i] = result["key"]
-        (held if result.get("existing") else written).add(result["key"])
-    report.stored, report.existing = len(written), len(held - written)
+        (report.keys if h is None else report.lead_keys[h])[i] = result["key"]
+        kind = None if h is None else "lead"
+        (held if result.get("existing") else written).setdefault(kind, set()).add(result["key"])
+    report.stored = len(written[None])
+    report.existing = len(held[None] - written[None])
+    report.lead_stored = len(written.get("lead", set()))
+    report.lead_existing = len(held.get("lead", set()) - written.get("lead", set()))
     return report
