@@ -9,6 +9,7 @@ from llama_index.core import PromptTemplate
 from llama_index.core.chat_engine import CondensePlusContextChatEngine
 from llama_index.core.schema import MetadataMode
 
+from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.prefill.recovery import parse_recovery
 from turborag_integrations.llama_index import (KVCachePostprocessor, KVCachingVectorStore,
                                                TurboRAGLLM, llm_text)
@@ -251,10 +252,19 @@ def test_recovery_in_a_stock_query_engine(index, engine):
     assert 2 * 4 <= moved <= 4 * (2 + 1)
     assert four.stats.prefilled_tokens == stitched.stats.prefilled_tokens + moved
     assert four.stats.extra["recovery"] == str(parse_recovery("boundary:4"))
-    # "first" moves exactly the prompt's first chunk, the best-scored node, to the prefill
+    # "first" moves exactly the prompt's first chunk, the best-scored node, to the prefill —
+    # on an engine without the stock head; with it, that chunk is its lead blob, exact already,
+    # and "first" is left out
+    assert stitched.stats.extra["lead_blob"] is True
     llm = TurboRAGLLM(engine, max_new_tokens=8, recovery="first")
-    _, response = answer(index.as_query_engine(llm=llm, node_postprocessors=post,
-                                               similarity_top_k=2))
+    run(llm)
+    assert llm.last_result.stats.reused_tokens == stitched.stats.reused_tokens
+    assert llm.last_result.stats.extra["recovery"] == "none"
+    headless = TurboRAGEngine(engine.loaded, store=engine.store, progress=False)
+    llm = TurboRAGLLM(headless, max_new_tokens=8, recovery="first", stock_head=False)
+    _, response = answer(index.as_query_engine(
+        llm=llm, node_postprocessors=[KVCachePostprocessor(headless)], similarity_top_k=2))
+    assert llm.last_result.stats.cache_hits == 2
     moved = stitched.stats.reused_tokens - llm.last_result.stats.reused_tokens
     assert moved == chunk_tokens(engine, response.source_nodes[:1]) > 0
 
