@@ -109,7 +109,8 @@ def test_a_head_is_matched_as_a_prompt_tokenizes_it_before_a_chunk(tmp_path):
 
 def test_first_chunk_recovery_is_skipped_over_a_lead_blob(engine):
     """`recovery="first"` recomputes a first chunk that a lead blob already makes exact: the
-    engine leaves it out (same logits, nothing recomputed) and says so; other parts still run."""
+    engine leaves it out (same logits, nothing recomputed) and says so; other parts still run,
+    sparing the lead blob's tokens."""
     cfg = GenerationConfig(max_new_tokens=2)
     prompt = HEAD + "\n\n".join(CHUNKS) + QUESTION
     plain = engine.generate(prompt, chunks=CHUNKS, config=cfg)
@@ -120,8 +121,11 @@ def test_first_chunk_recovery_is_skipped_over_a_lead_blob(engine):
     assert first.token_ids == plain.token_ids
     both = engine.generate(prompt, chunks=CHUNKS, config=cfg, recovery="first,boundary:2")
     assert both.stats.extra["recovery"] == "boundary:2"
-    assert both.stats.prefilled_tokens > plain.stats.prefilled_tokens  # boundary tokens ran
     other = TurboRAGEngine(engine.loaded, store=engine.store)  # no heads: "first" runs
+    # boundary:2 ran on every chunk but the lead blob's, whose 2 tokens are exact already
+    edges = other.generate(prompt, chunks=CHUNKS, config=cfg, recovery="boundary:2")
+    assert both.stats.prefilled_tokens == edges.stats.prefilled_tokens - 2
+    assert both.stats.prefilled_tokens > plain.stats.prefilled_tokens
     ran = other.generate(prompt, chunks=CHUNKS, config=cfg, recovery="first")
     assert ran.stats.extra["recovery"] == "first" and "recovery_asked" not in ran.stats.extra
     assert ran.stats.prefilled_tokens > plain.stats.prefilled_tokens

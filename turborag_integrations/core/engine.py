@@ -26,7 +26,7 @@ from .prefill.anchor import (CONTEXT_MARKER, DEFAULT_ANCHOR, VALUE_MARKER, ancho
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.context import DEFAULT_CONTEXT_TOKENS
 from .prefill.encoding import LearnedEncoding, resolve_encoder
-from .prefill.recovery import parse_recovery, without_first
+from .prefill.recovery import SparingExact, parse_recovery, without_first
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
 from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
@@ -343,11 +343,13 @@ class TurboRAGEngine(ChunkLibrary):
                        pool=self.cache_pool, recovery=self.recovery_for(segments, recovery))
 
     def recovery_for(self, segments: Sequence[Segment], recovery=None):
-        """The recovery that `prefill` runs for `segments`: `recovery` parsed, less its
-        first-chunk part where the first chunk is a lead blob (exact already)."""
+        """The recovery that `prefill` runs for `segments`: `recovery` parsed, and where the
+        first chunk is a lead blob (exact already), less its first-chunk part, the other parts
+        sparing that chunk's tokens."""
         recovery = parse_recovery(recovery)
         if recovery is not None and any(self.is_lead(s.blob) for s in segments):
-            return without_first(recovery)
+            rest = without_first(recovery)
+            return None if rest is None else SparingExact(rest, self.is_lead)
         return recovery
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),

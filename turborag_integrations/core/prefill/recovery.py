@@ -29,8 +29,8 @@ exactly where it was.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -184,6 +184,24 @@ class Combined(Recovery):
         for p in self.parts:
             out.update(p.select(model, plan, rotator))
         return sorted(out)
+
+
+@dataclass
+class SparingExact(Recovery):
+    """`inner`, less the tokens of spans whose blob `exact(blob)` says is the full prefill's KV
+    already (a lead blob): recomputing them would give the same KV and cost their prefill."""
+
+    inner: Recovery = field(default_factory=Recovery)
+    exact: Callable[[KVBlob], bool] = lambda blob: False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    def select(self, model, plan, rotator) -> list[int]:
+        spared = {i for s in plan.spans if self.exact(s.blob)
+                  for i in range(s.prompt_start, s.prompt_start + s.blob.num_tokens)}
+        return [i for i in self.inner.select(model, plan, rotator) if i not in spared]
 
 
 def without_first(recovery: Recovery | None) -> Recovery | None:
