@@ -347,6 +347,8 @@ class TurboRAGEngine(ChunkLibrary):
         first chunk is a lead blob (exact already), less its first-chunk part, the other parts
         sparing that chunk's tokens."""
         recovery = parse_recovery(recovery)
+        if isinstance(recovery, SparingExact):  # resolved already (`start`)
+            return recovery
         if recovery is not None and any(self.is_lead(s.blob) for s in segments):
             rest = without_first(recovery)
             return None if rest is None else SparingExact(rest, self.is_lead)
@@ -395,8 +397,9 @@ class TurboRAGEngine(ChunkLibrary):
         t_loaded = now()
         reserve = reserve_slots(config.max_new_tokens,
                                 config.draft_tokens + 1 if config.draft else 0)
+        recovery = self.recovery_for(segments, request.recovery)  # once, for prefill and stats
         pre = self.prefill(segments, positions=request.positions, reserve=reserve,
-                           recovery=request.recovery)
+                           recovery=recovery)
         plan = pre.plan
         stats = stats if stats is not None else GenerationStats(mode=mode)
         # assembly = finding and loading the blobs + re-rotating and concatenating them
@@ -411,9 +414,8 @@ class TurboRAGEngine(ChunkLibrary):
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
         if request.recovery is not None:
-            asked, ran = parse_recovery(request.recovery), self.recovery_for(segments,
-                                                                             request.recovery)
-            stats.extra["recovery"] = str(ran) if ran is not None else "none"
+            asked = parse_recovery(request.recovery)
+            stats.extra["recovery"] = str(recovery) if recovery is not None else "none"
             if str(asked) != stats.extra["recovery"]:
                 stats.extra["recovery_asked"] = str(asked)  # "first" over a lead blob: skipped
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)

@@ -185,7 +185,7 @@ class ChunkLibrary:
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
         for n, encoder in enumerate(leads, start=1):
-            self._encode_with(encoder, ids, doc_ids, progress=progress and (
+            self._encode_with(encoder, ids, doc_ids, progress=None if progress is None else (
                 lambda done, n=n: progress(len(texts) * n + done, total)))
         return keys
 

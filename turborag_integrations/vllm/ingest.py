@@ -280,8 +280,7 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
         sent = dict(zip(first.values(), pool.map(send, first.values())))
     report = IngestReport(keys=[None] * len(texts),
                           lead_keys=[[None] * len(texts) for _ in heads])
-    written: dict = {None: set()}
-    held: dict = {None: set()}
+    written, held = set(), set()  # (a lead blob?, key)
     for j, (i, h, _, _, _) in enumerate(jobs):
         result = sent[first[same(j)]]
         if result.get("error") or not result.get("stored"):
@@ -292,10 +291,11 @@ def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
                 report.lead_errors[(h, i)] = why
             continue
         (report.keys if h is None else report.lead_keys[h])[i] = result["key"]
-        kind = None if h is None else "lead"
-        (held if result.get("existing") else written).setdefault(kind, set()).add(result["key"])
-    report.stored = len(written[None])
-    report.existing = len(held[None] - written[None])
-    report.lead_stored = len(written.get("lead", set()))
-    report.lead_existing = len(held.get("lead", set()) - written.get("lead", set()))
+        (held if result.get("existing") else written).add((h is not None, result["key"]))
+
+    def count(keys: set, lead: bool) -> int:
+        return sum(1 for is_lead, _ in keys if is_lead == lead)
+
+    report.stored, report.existing = count(written, False), count(held - written, False)
+    report.lead_stored, report.lead_existing = count(written, True), count(held - written, True)
     return report

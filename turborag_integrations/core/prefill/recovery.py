@@ -29,7 +29,7 @@ exactly where it was.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -191,8 +191,8 @@ class SparingExact(Recovery):
     """`inner`, less the tokens of spans whose blob `exact(blob)` says is the full prefill's KV
     already (a lead blob): recomputing them would give the same KV and cost their prefill."""
 
-    inner: Recovery = field(default_factory=Recovery)
-    exact: Callable[[KVBlob], bool] = lambda blob: False
+    inner: Recovery
+    exact: Callable[[KVBlob], bool]
 
     @property
     def name(self) -> str:  # type: ignore[override]
