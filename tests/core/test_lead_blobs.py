@@ -69,6 +69,21 @@ def test_a_head_added_after_ingestion_encodes_lead_blobs_when_first_needed(tiny_
         assert len([k for k in added if k != engine.prefix_key(HEAD)]) == 1  # kept for next time
 
 
+def test_a_lead_blob_made_when_first_needed_goes_with_its_chunks_documents(tiny_llama, tmp_path):
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv") as engine:
+        engine.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])
+        engine.encode_chunks(CHUNKS[:1], doc_ids=["d3"])  # a chunk two documents share
+        engine.add_prompt_head(HEAD)
+        result = engine.generate(HEAD + CHUNKS[0] + QUESTION, chunks=CHUNKS[:1],
+                                 config=GenerationConfig(max_new_tokens=2))
+        assert result.stats.extra["lead_blob"] is True
+        lead = next(k for k in engine.store.keys() if engine.is_lead(engine.store.get(k)))
+        assert engine.forget_document("d1") == []  # d3 still uses the chunk and its lead blob
+        assert sorted(engine.forget_document("d3")) == sorted([engine.chunk_key(CHUNKS[0]), lead])
+        assert set(engine.store.keys()) - {engine.prefix_key(HEAD)} == {
+            engine.chunk_key(CHUNKS[1])}
+
+
 def test_lead_blobs_are_stored_once_and_go_with_their_document(engine):
     leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
     assert len(leads) == 2

@@ -248,7 +248,16 @@ class ChunkLibrary:
         encoder = self._leads.get(tuple(head_ids))
         if encoder is None:
             return None
-        return self._blob(text, encoder, encode_missing=True)
+        try:
+            key = self._key(text, encoder)
+        except EmptyChunkError:
+            return None
+        stored = self.store.contains(key)
+        blob = self._blob(text, encoder, encode_missing=True)
+        if not stored and self.store.contains(key):
+            # made now for a chunk ingested before its head: it goes with the chunk's documents
+            self.store.share_refs(self.chunk_key(text), key)
+        return blob
 
     def _wants_context(self, i: int, contexts: Sequence[str | None] | None) -> bool:
         return bool(contexts is not None and contexts[i] and self.encoder.context_tokens)

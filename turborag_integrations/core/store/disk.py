@@ -356,6 +356,9 @@ class DiskTier(Tier):
     def add_ref(self, key: str, doc_id: str) -> None:
         self._refs.add(key, doc_id)
 
+    def share_refs(self, key: str, other: str) -> None:
+        self._refs.share(key, other)
+
     def keys_of_doc(self, doc_id: str) -> list[str]:
         return self._refs.keys_of(doc_id)
 

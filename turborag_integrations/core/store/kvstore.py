@@ -215,6 +215,12 @@ class KVStore:
         if self.owns(key):
             self.disk.add_ref(key, doc_id)
 
+    def share_refs(self, key: str, other: str) -> None:
+        """Record the documents that use the blob under `key` as users of `other` too (a blob
+        made later from the same chunk), so that forgetting them deletes both."""
+        if self.owns(key) and self.owns(other):
+            self.disk.share_refs(key, other)
+
     # ---- read -------------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
         tiers = self._open_tiers()
