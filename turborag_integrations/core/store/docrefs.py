@@ -31,13 +31,13 @@ class DocumentRefs:
 
     def share(self, key: str, other: str) -> None:
         """Record every document that uses `key` as a user of `other` too."""
-        ref = self.root / "refs" / key
-        for digest in (p.name for p in ref.iterdir()) if ref.exists() else ():
+        ref, shared = self.root / "refs" / key, self.root / "refs" / other
+        for digest in sorted(p.name for p in ref.iterdir()) if ref.exists() else []:
             doc = self.root / "docs" / digest
-            (self.root / "refs" / other).mkdir(parents=True, exist_ok=True)
             doc.mkdir(parents=True, exist_ok=True)
+            shared.mkdir(parents=True, exist_ok=True)
             (doc / other).touch()
-            (self.root / "refs" / other / digest).touch()
+            (shared / digest).touch()
 
     def keys_of(self, doc_id: str) -> list[str]:
         doc = self._doc_dir(doc_id)
