@@ -248,15 +248,11 @@ class ChunkLibrary:
         encoder = self._leads.get(tuple(head_ids))
         if encoder is None:
             return None
-        try:
-            key = self._key(text, encoder)
-        except EmptyChunkError:
-            return None
-        stored = self.store.contains(key)
-        blob = self._blob(text, encoder, encode_missing=True)
-        if not stored and self.store.contains(key):
-            # made now for a chunk ingested before its head: it goes with the chunk's documents
-            self.store.share_refs(self.chunk_key(text), key)
+        blob = self._blob(text, encoder, encode_missing=False)
+        if blob is None:  # a chunk ingested before its head: made now, and it goes with the
+            blob = self._blob(text, encoder, encode_missing=True)  # chunk's documents
+            if blob is not None:
+                self.store.share_refs(self.chunk_key(text), self._key(text, encoder))
         return blob
 
     def _wants_context(self, i: int, contexts: Sequence[str | None] | None) -> bool:
