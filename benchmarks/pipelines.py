@@ -5,6 +5,7 @@
     python benchmarks/pipelines.py --pipelines langchain --engine-arg positions=composite --json
     python benchmarks/pipelines.py --k 10                            # top-10 retrieval
     python benchmarks/pipelines.py --recovery boundary:32            # TurboRAG with recovery
+    python benchmarks/pipelines.py --recovery none --recovery select:0.15   # several, one run
     python benchmarks/pipelines.py --per-item                        # the old per-item corpora
     python benchmarks/pipelines.py --out answers.jsonl               # every reply, one per line
     python benchmarks/pipelines.py --store kv/                       # keep (and reuse) the blobs
@@ -74,6 +75,16 @@ DEFAULT_DATA = REPO / "turborag_integrations" / "data" / "heldout" / "heldout.js
 PIPELINES = ("llama_index", "langchain", "langchain_system")
 MODES = ("naive", "turbo")  # full prefill first: the baseline of each item
 MODE_NAMES = {"naive": "full prefill", "turbo": "TurboRAG"}
+
+
+def variants(recoveries: list[str | None]) -> list[tuple[str, str | None]]:
+    """(mode, recovery) answered per item: the full prefill first, then TurboRAG once per
+    recovery asked for (the LLM's own default where none is)."""
+    return [("naive", None)] + [("turbo", r) for r in (recoveries or [None])]
+
+
+def variant_name(mode: str, recovery: str | None) -> str:
+    return mode if recovery is None else f"{mode}+{recovery}"
 STOP = ("\n\n",)  # a blank line ends the answer
 DEFAULT_K = 6  # chunks retrieved per question from the shared corpus
 LANGCHAIN_RAG_PROMPT = (
@@ -161,8 +172,8 @@ class LlamaIndexPipeline:
 
     name = "llama_index"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score", lead: bool = True):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, order: str = "score",
+                 lead: bool = True):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
         from turborag_integrations.core.retrieval.embedding import default_embedding_path
@@ -172,7 +183,8 @@ class LlamaIndexPipeline:
         self.path = workdir / "chroma_llama_index"
         self.embed_model = HuggingFaceEmbedding(model_name=default_embedding_path())
         self.llm = TurboRAGLLM(engine, max_new_tokens=max_new_tokens, temperature=0.0,
-                               stop=list(STOP), recovery=recovery, stock_head=lead)
+                               stop=list(STOP), stock_head=lead)
+        self.default_recovery = self.llm.recovery
         self.postprocessor = self.llm.postprocessor()
         self.order = order
         self.query_engine = None
@@ -209,9 +221,11 @@ class LlamaIndexPipeline:
         self.query_engine = index.as_query_engine(
             llm=self.llm, node_postprocessors=postprocessors, similarity_top_k=k)
 
-    def answer(self, question: str, mode: str) -> tuple[str, dict, list[str]]:
+    def answer(self, question: str, mode: str, recovery: str | None = None
+               ) -> tuple[str, dict, list[str]]:
         """(reply, the LLM's stats, texts of the retrieved chunks)."""
         self.llm.mode = mode  # the same LLM object, so the same query engine serves both modes
+        self.llm.recovery = self.default_recovery if recovery is None else recovery
         response = self.query_engine.query(question)
         retrieved = [n.node.get_content() for n in response.source_nodes]
         return (response.response or ""), dict(self.llm.last_stats or {}), retrieved
@@ -223,8 +237,8 @@ class LangChainPipeline:
 
     name = "langchain"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score", lead: bool = True):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, order: str = "score",
+                 lead: bool = True):
         from langchain_core.prompts import ChatPromptTemplate
 
         from turborag_integrations.langchain import (SentenceTransformerEmbeddings,
@@ -235,7 +249,7 @@ class LangChainPipeline:
         self.embeddings = SentenceTransformerEmbeddings()
         self.prompt = ChatPromptTemplate.from_template(LANGCHAIN_RAG_PROMPT)
         self.chat_model = TurboRAGChatModel(engine=engine, max_tokens=max_new_tokens,
-                                            temperature=0.0, stop=list(STOP), recovery=recovery)
+                                            temperature=0.0, stop=list(STOP))
         self.order = order
         self.lead = lead
         self.chains = {}
@@ -282,17 +296,29 @@ class LangChainPipeline:
 
             retriever = retriever | in_document_order
         context = {"context": retriever | self.format_docs, "question": RunnablePassthrough()}
-        # One chain per mode, differing only in the `mode` bound to the same chat model.
-        self.chains = {mode: context | self.prompt | self.chat_model.bind(mode=mode)
-                       | StrOutputParser() for mode in MODES}
+        self.context = context
+        self.chains = {}  # built from the new retriever on first use
 
-    def answer(self, question: str, mode: str) -> tuple[str, dict, list[str]]:
+    def chain(self, mode: str, recovery: str | None):
+        """The chain for one mode and recovery: they differ only in what is bound to the same
+        chat model."""
+        from langchain_core.output_parsers import StrOutputParser
+
+        key = (mode, recovery)
+        if key not in self.chains:
+            bound = dict(mode=mode, **({} if recovery is None else {"recovery": recovery}))
+            self.chains[key] = (self.context | self.prompt | self.chat_model.bind(**bound)
+                                | StrOutputParser())
+        return self.chains[key]
+
+    def answer(self, question: str, mode: str, recovery: str | None = None
+               ) -> tuple[str, dict, list[str]]:
         """(reply, the chat model's stats, texts of the retrieved chunks)."""
         from turborag_integrations.langchain import TurboRAGRunCollector
 
         run = TurboRAGRunCollector()
         self.retrieved = []
-        reply = self.chains[mode].invoke(question, config={"callbacks": [run]})
+        reply = self.chain(mode, recovery).invoke(question, config={"callbacks": [run]})
         return reply, dict(run.stats), list(self.retrieved)
 
 
@@ -302,11 +328,11 @@ class LangChainSystemPipeline(LangChainPipeline):
 
     name = "langchain_system"
 
-    def __init__(self, engine, workdir: Path, max_new_tokens: int, recovery: str | None = None,
-                 order: str = "score", lead: bool = True):
+    def __init__(self, engine, workdir: Path, max_new_tokens: int, order: str = "score",
+                 lead: bool = True):
         from langchain_core.prompts import ChatPromptTemplate
 
-        super().__init__(engine, workdir, max_new_tokens, recovery, order, lead)
+        super().__init__(engine, workdir, max_new_tokens, order, lead)
         self.path = workdir / "chroma_langchain_system"
         self.prompt = ChatPromptTemplate.from_messages(
             [("system", LANGCHAIN_SYSTEM_PROMPT), ("human", "{question}")])
@@ -323,20 +349,33 @@ def judge(reply: str, item: dict) -> tuple[bool, bool]:
     return bool(score(reply, item["answers"])["contains"]), refusal
 
 
-def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
+def summarise(rows: list[dict], pipelines: list[str],
+              asked: list[tuple[str, str | None]] = (("naive", None), ("turbo", None))
+              ) -> list[dict]:
+    """One summary per pipeline and variant (mode, recovery); each TurboRAG variant is compared
+    with the full prefill of the same items."""
+    from turborag_integrations.evaluation.metrics import normalize
+
     out = []
     for pipeline in pipelines:
-        ttft = {}
-        for mode in MODES:
-            rs = [r for r in rows if r["pipeline"] == pipeline and r["mode"] == mode
-                  and "error" not in r]
+        ours = [r for r in rows if r["pipeline"] == pipeline]
+        naive_ttft = None
+        naive = {r["id"]: r for r in ours if r["mode"] == "naive" and "error" not in r}
+        for mode, recovery in asked:
+            every = [r for r in ours if r["mode"] == mode and r.get("recovery") == recovery]
+            rs = [r for r in every if "error" not in r]
             ans = [r for r in rs if not r["unanswerable"]]
             una = [r for r in rs if r["unanswerable"]]
             med = statistics.median([r["ttft_s"] for r in rs]) if rs else None
-            ttft[mode] = med
+            if mode == "naive":
+                naive_ttft = med
             gold = [r["gold_retrieved"] for r in rs if r.get("gold_retrieved") is not None]
+            both = [r for r in rs if r["id"] in naive]
+            same = sum(normalize(r["reply"]) == normalize(naive[r["id"]]["reply"]) for r in both)
+            agree = sum(r["correct"] == naive[r["id"]]["correct"] for r in both)
+            recomputed = [r.get("recomputed_tokens") or 0 for r in rs]
             out.append({
-                "pipeline": pipeline, "mode": mode, "n": len(rs),
+                "pipeline": pipeline, "mode": mode, "recovery": recovery, "n": len(rs),
                 "answerable_n": len(ans),
                 "answerable_correct": sum(r["correct"] for r in ans),
                 "answerable_pct": 100 * sum(r["correct"] for r in ans) / len(ans) if ans else None,
@@ -347,34 +386,26 @@ def summarise(rows: list[dict], pipelines: list[str]) -> list[dict]:
                 "unanswerable_refused": sum(r["correct"] for r in una),
                 "total_correct_pct": 100 * sum(r["correct"] for r in rs) / len(rs) if rs else None,
                 "median_ttft_s": med,
+                # full-prefill TTFT / this variant's TTFT: > 1 means faster than full prefill
+                "speedup": naive_ttft / med if naive_ttft and med else None,
                 "median_prompt_tokens": (statistics.median([r["prompt_tokens"] for r in rs])
                                          if rs else None),
                 "median_reused_tokens": (statistics.median([r["reused_tokens"] for r in rs])
                                          if rs else None),
+                "median_recomputed_tokens": statistics.median(recomputed) if rs else None,
                 "median_retrieved_chunks": (statistics.median([r["retrieved_chunks"] for r in rs])
                                             if rs else None),
                 "gold_n": len(gold),
                 "gold_retrieved": sum(gold),
                 "gold_retrieved_pct": 100 * sum(gold) / len(gold) if gold else None,
-                "errors": sum(1 for r in rows if r["pipeline"] == pipeline and r["mode"] == mode
-                              and "error" in r),
+                "errors": len(every) - len(rs),
+                # how often this variant's reply equals (normalised) the full prefill's, and
+                # how often both are right or both wrong; None for the full prefill itself
+                "same_reply_as_full_pct": (100 * same / len(both) if both and mode != "naive"
+                                           else None),
+                "correct_agreement_pct": (100 * agree / len(both) if both and mode != "naive"
+                                          else None),
             })
-        for r in out[-len(MODES):]:
-            # full-prefill TTFT / this mode's TTFT: > 1 means faster than full prefill
-            r["speedup"] = (ttft["naive"] / r["median_ttft_s"]
-                            if ttft["naive"] and r["median_ttft_s"] else None)
-        # How often the two modes gave the same (normalised) reply, and the same verdict.
-        from turborag_integrations.evaluation.metrics import normalize
-
-        by = {(r["id"], r["mode"]): r for r in rows
-              if r["pipeline"] == pipeline and "error" not in r}
-        ids = {i for i, m in by if m == "turbo" and (i, "naive") in by}
-        same = sum(normalize(by[(i, "turbo")]["reply"]) == normalize(by[(i, "naive")]["reply"])
-                   for i in ids)
-        agree = sum(by[(i, "turbo")]["correct"] == by[(i, "naive")]["correct"] for i in ids)
-        for r in out[-len(MODES):]:
-            r["same_reply_as_full_pct"] = 100 * same / len(ids) if ids else None
-            r["correct_agreement_pct"] = 100 * agree / len(ids) if ids else None
     return out
 
 
@@ -389,9 +420,10 @@ def print_table(results: list[dict], settings: dict) -> None:
     else:
         print(f"corpus: per item ({settings['corpus_chunks']} chunks in {settings['items']} "
               "collections); every chunk of the item retrieved")
-    head = (f"{'pipeline':<12} {'mode':<13} {'answerable correct':>19} {'refused':>8} "
+    head = (f"{'pipeline':<16} {'mode':<26} {'answerable correct':>19} {'refused':>8} "
             f"{'unanswerable refused':>21} {'total correct':>14} {'gold retrieved':>15} "
-            f"{'median TTFT s':>14} {'speed-up':>9} {'reused/prompt tok':>18}")
+            f"{'median TTFT s':>14} {'speed-up':>9} {'reused/prompt tok':>18} "
+            f"{'same reply':>11}")
     print(head)
     print("-" * len(head))
 
@@ -407,14 +439,18 @@ def print_table(results: list[dict], settings: dict) -> None:
         tok = ("—" if r["median_prompt_tokens"] is None
                else f"{r['median_reused_tokens']:.0f}/{r['median_prompt_tokens']:.0f}")
         gold = f"{r['gold_retrieved']}/{r['gold_n']} ({pct(r['gold_retrieved_pct'])})"
-        print(f"{r['pipeline']:<12} {MODE_NAMES[r['mode']]:<13} {ans:>19} {ref:>8} {una:>21} "
-              f"{pct(r['total_correct_pct']):>14} {gold:>15} {med:>14} {sp:>9} {tok:>18}")
+        name = MODE_NAMES[r["mode"]] + (f" {r['recovery']}" if r.get("recovery") else "")
+        same = pct(r["same_reply_as_full_pct"])
+        print(f"{r['pipeline']:<16} {name:<26} {ans:>19} {ref:>8} {una:>21} "
+              f"{pct(r['total_correct_pct']):>14} {gold:>15} {med:>14} {sp:>9} {tok:>18} "
+              f"{same:>11}")
     print("refused: answerable items the reply declined; gold retrieved: items with gold chunks "
           "that got one of them; speed-up: full-prefill median TTFT / this mode's; "
-          "reused/prompt tok: medians")
+          "reused/prompt tok: medians; same reply: the reply equals the full prefill's")
     for r in results:
         if r["mode"] == "turbo" and r["same_reply_as_full_pct"] is not None:
-            print(f"{r['pipeline']}: TurboRAG reply equals the full-prefill reply on "
+            name = "TurboRAG" + (f" {r['recovery']}" if r.get("recovery") else "")
+            print(f"{r['pipeline']}: {name} reply equals the full-prefill reply on "
                   f"{r['same_reply_as_full_pct']:.1f}% of items; both right or both wrong on "
                   f"{r['correct_agreement_pct']:.1f}%")
         if r["errors"]:
@@ -443,9 +479,10 @@ def main(argv=None) -> int:
     ap.add_argument("--per-item", action="store_true",
                     help="the old setup: one collection per item holding only its chunks, all "
                          "of them retrieved (reproduces older result files)")
-    ap.add_argument("--recovery", default=None, metavar="SPEC",
-                    help="the TurboRAG mode's query-time recovery, e.g. boundary:32 (the LLMs' "
-                         "`recovery` field; docs/accuracy.md)")
+    ap.add_argument("--recovery", action="append", default=[], metavar="SPEC",
+                    help="the TurboRAG mode's query-time recovery, e.g. select:0.15 (the LLMs' "
+                         "`recovery` field; docs/accuracy.md); repeat it to answer each item "
+                         "once per recovery, beside one full prefill (default: the LLMs' own)"),
     ap.add_argument("--order", choices=("score", "document"), default="score",
                     help="the order of the retrieved chunks in both modes' prompts: the "
                          "retriever's (score, stock) or each document's chunks together in "
@@ -487,10 +524,12 @@ def main(argv=None) -> int:
         ap.error("give the store once: --store DIR or --engine-arg store=DIR, not both")
     from turborag_integrations.core.prefill.recovery import parse_recovery
 
-    try:
-        parse_recovery(args.recovery)
-    except ValueError as exc:
-        ap.error(f"--recovery: {exc}")
+    for spec in args.recovery:
+        try:
+            parse_recovery(spec)
+        except ValueError as exc:
+            ap.error(f"--recovery: {exc}")
+    asked = variants(list(dict.fromkeys(args.recovery)))
     if not args.data.is_file():
         ap.error(f"no such file: {args.data} (give a JSONL set, e.g. "
                  "turborag_integrations/data/devset/test.jsonl)")
@@ -533,7 +572,7 @@ def main(argv=None) -> int:
         store = args.store if args.store is not None else workdir / "kv"
         kwargs = {"store": str(store), "progress": False, **engine_args}
         engine = TurboRAGEngine(args.model, **kwargs)
-        runners = [classes[p](engine, workdir, args.max_new_tokens, args.recovery, args.order,
+        runners = [classes[p](engine, workdir, args.max_new_tokens, args.order,
                               args.lead_blobs == "on") for p in pipelines]
         engine.warmup()
         if k is not None:  # one shared collection per pipeline, ingested once, not timed
@@ -550,20 +589,23 @@ def main(argv=None) -> int:
                     runner.prepare(item["chunks"], collection=f"item{i:05d}",
                                    k=len(item["chunks"]),
                                    sources=[item["id"]] * len(item["chunks"]))
-                for mode in MODES:
+                for mode, recovery in asked:
+                    name = variant_name(mode, recovery)
                     try:
-                        if i == 0:
-                            runner.answer(item["question"], mode)  # untimed warm-up
-                        reply, stats, retrieved = runner.answer(item["question"], mode)
+                        if i == 0:  # untimed warm-up
+                            runner.answer(item["question"], mode, recovery)
+                        reply, stats, retrieved = runner.answer(item["question"], mode, recovery)
                     except ContextWindowError as exc:
                         emit({"id": item["id"], "pipeline": runner.name, "mode": mode,
-                              "unanswerable": item["unanswerable"], "error": str(exc)})
-                        log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name} {mode}: {exc}")
+                              "recovery": recovery, "unanswerable": item["unanswerable"],
+                              "error": str(exc)})
+                        log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name} {name}: {exc}")
                         continue
                     reply = reply.strip()
                     correct, refusal = judge(reply, item)
                     emit({
                         "id": item["id"], "pipeline": runner.name, "mode": mode,
+                        "recovery": recovery,
                         "question": item["question"], "answers": item["answers"],
                         "unanswerable": item["unanswerable"], "reply": reply,
                         "correct": correct, "refusal": refusal,
@@ -572,19 +614,22 @@ def main(argv=None) -> int:
                         "retrieved_from": placed(retrieved, places),
                         **{key: stats.get(key) for key in (
                             "ttft_s", "prompt_tokens", "reused_tokens", "prefilled_tokens",
-                            "cache_hits", "cache_misses", "new_tokens", "finish_reason")},
+                            "recomputed_tokens", "recovery_s", "cache_hits", "cache_misses",
+                            "new_tokens", "finish_reason")},
                         "lead_blob": bool(stats.get("lead_blob"))})
                     gold = {True: "yes", False: "no", None: "—"}[rows[-1]["gold_retrieved"]]
-                    log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name:<11} {mode:<5} "
+                    log(f"[{i + 1}/{len(items)}] {item['id']} {runner.name:<11} {name:<12} "
                         f"{'ok ' if correct else 'bad'} gold {gold:<3} "
                         f"ttft {stats.get('ttft_s', 0):.3f}s "
                         f"reused {stats.get('reused_tokens')}/{stats.get('prompt_tokens')} "
                         f"hits {stats.get('cache_hits')}  {reply[:70]!r}")
         dtype = engine.fingerprint.dtype
 
-    results = summarise(rows, pipelines)
+    results = summarise(rows, pipelines, asked)
     settings = {"data": str(args.data), "model": args.model, "dtype": dtype,
-                "engine_args": engine_args, "recovery": args.recovery, "order": args.order,
+                "engine_args": engine_args,
+                "recovery": args.recovery[0] if len(args.recovery) == 1 else args.recovery or None,
+                "order": args.order,
                 "lead_blobs": args.lead_blobs,
                 "pipelines": pipelines,
                 "store": None if args.store is None else str(args.store),

@@ -93,7 +93,10 @@ def test_shared_corpus_holds_each_distinct_chunk_once_and_retrieves_top_k(
             assert gold[("none", pipeline, mode)] is None
     for r in report["results"]:
         assert r["gold_n"] == 2 and r["gold_retrieved_pct"] == 50.0
-        assert r["correct_agreement_pct"] is not None and r["same_reply_as_full_pct"] is not None
+        # agreement compares TurboRAG with the full prefill: none for the full prefill itself
+        compared = r["mode"] == "turbo"
+        assert (r["correct_agreement_pct"] is not None) == compared
+        assert (r["same_reply_as_full_pct"] is not None) == compared
 
 
 def test_limit_asks_fewer_items_but_the_corpus_is_the_whole_set(
@@ -127,10 +130,10 @@ def test_out_keeps_the_replies_of_a_run_that_is_stopped(bench, data, model_dir, 
     """--out is written reply by reply: a run that dies on its second item leaves the first's."""
     original = bench.LangChainPipeline.answer
 
-    def answer(self, question, mode):
+    def answer(self, question, mode, recovery=None):
         if question == ITEMS[1]["question"]:
             raise KeyboardInterrupt  # a user stopping a long run
-        return original(self, question, mode)
+        return original(self, question, mode, recovery)
     monkeypatch.setattr(bench.LangChainPipeline, "answer", answer)
     out = tmp_path / "rows.jsonl"
     with pytest.raises(KeyboardInterrupt):
@@ -220,7 +223,12 @@ def test_summary_agreement_and_gold_shares(bench):
     rows = [row("a", "naive", "Blue.", True, True), row("a", "turbo", "It is blue", True, True),
             row("b", "naive", "fennel", True, False), row("b", "turbo", "rye", False, False),
             row("c", "naive", "no idea", False, None), row("c", "turbo", "No idea", False, None)]
-    for r in bench.summarise(rows, ["langchain"]):
+    naive, turbo = bench.summarise(rows, ["langchain"])
+    assert naive["correct_agreement_pct"] is None and naive["same_reply_as_full_pct"] is None
+    for r in (naive, turbo):
+        assert r["gold_n"] == 2 and r["gold_retrieved_pct"] == 50.0
+        assert r["median_retrieved_chunks"] == 6
+    for r in (turbo,):
         assert r["correct_agreement_pct"] == pytest.approx(200 / 3)  # a and c
         assert r["same_reply_as_full_pct"] == pytest.approx(100 / 3)  # c only
         assert r["gold_n"] == 2 and r["gold_retrieved_pct"] == 50.0

@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from .core.settings import DEFAULT_RECOVERY, RECOVERY_HELP
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="TurboRAG: answer questions over documents with precomputed chunk KV caches.")
 models_app = typer.Typer(no_args_is_help=True, help="Bundled models.")
@@ -35,6 +37,16 @@ ChromaUrlOpt = typer.Option(
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _check_recovery(spec: str) -> None:
+    """Fail, before any model loads, on a --recovery that does not parse."""
+    from .core.prefill.recovery import parse_recovery
+
+    try:
+        parse_recovery(spec)
+    except ValueError as exc:
+        _fail(f"--recovery: {exc}")
 
 
 def _ingest(ws, paths, *, quiet: bool = False) -> dict:
@@ -219,8 +231,9 @@ def ask(
         _fail(f"--mode must be turbo, naive or rapid, not {mode!r}")
     ws = _workspace(store, model, chroma_url=chroma_url)
     try:
-        if compare:
-            ws.engine.warmup()  # so that neither timed path pays for first-call set-up
+        # a cold first call times the lazy set-up of torch and the caches, not the answer: the
+        # TTFT reported is a warm one (with --compare, for both paths)
+        ws.engine.warmup()
         try:
             config = GenerationConfig(max_new_tokens=max_new_tokens, draft=draft)
         except ValueError as exc:
@@ -280,6 +293,9 @@ def serve(
     encoder: str = EncoderOpt,
     mode: str = typer.Option("turbo", help="turbo: reuse stored chunk KV caches | naive: prefill "
                              "every prompt whole (the baseline to compare TTFT with)"),
+    recovery: str = typer.Option(DEFAULT_RECOVERY, help="what a turbo request that sets no "
+                                 "turborag_recovery recomputes at query time: "
+                                 + RECOVERY_HELP),
     max_batch: int = typer.Option(8, "--max-batch", min=1,
                                   help="requests decoded together in one batched step"),
     max_queue: int = typer.Option(64, "--max-queue", min=1,
@@ -319,6 +335,7 @@ def serve(
 
     if mode not in MODES:
         _fail(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
+    _check_recovery(recovery)
     try:
         body_limit = parse_size(max_body_bytes)
     except ValueError as exc:
@@ -339,10 +356,11 @@ def serve(
     try:
         from .server.app import serve as run_server
     except ImportError as exc:
-        _fail(f"{exc}: the server needs pip install 'turborag-integrations[server]'")
+        _fail(f"{exc}: the server needs FastAPI and uvicorn; install them with `bash "
+              "scripts/install.sh server` (or pip install 'turborag-integrations[server]')")
     try:
         run_server(model=model, store=store, host=host, port=port, adapter=adapter,
-                   encoder=encoder, mode=mode,
+                   encoder=encoder, mode=mode, recovery=recovery,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, keys=keys, threads=threads,
                    question_last=question_last, context_tokens=context_tokens,

@@ -87,7 +87,7 @@ def test_a_batched_step_checks_its_arguments(tiny_llama):
 
 @pytest.fixture
 def engine(tiny, tmp_path):
-    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
     engine.encode_chunks(CHUNKS)
     return engine
 
@@ -380,7 +380,7 @@ def test_a_withdrawn_request_is_never_prefilled_and_one_in_the_batch_leaves_it(e
 
 @pytest.mark.real_model
 def test_real_model_batched_answers_equal_solo_answers(smollm2, tmp_path):
-    engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")
+    engine = TurboRAGEngine(smollm2, store=tmp_path / "kv", recovery="none")
     questions = ["Who was born in Paris?", "How many bicycles does Bob keep?",
                  "Where does Carol sail?", "When does the mill grind rye?",
                  "Summarise the context in one sentence.", "Which city is mentioned first?"]

@@ -15,14 +15,14 @@ CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles."]
 
 @pytest.fixture
 def engine(tiny, tmp_path):
-    return TurboRAGEngine(tiny, store=tmp_path / "kv")
+    return TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
 
 
 @pytest.mark.parametrize("anchor", ["none", "chat", "bos"])
 def test_single_chunk_greedy_equals_full_prefill(tiny, tmp_path, anchor):
     """A chunk placed right after the text it was encoded after is exactly a full prefill: at
     the very start of the prompt without an anchor, right after the anchor text with one."""
-    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", anchor=anchor)
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", anchor=anchor, recovery="none")
     engine.encode_chunks(CHUNKS[:1])
     prompt = engine.anchor_text + CHUNKS[0] + "\nQ: where?\nA:"
     config = GenerationConfig(max_new_tokens=24)
@@ -158,9 +158,9 @@ def test_chat_template_render(engine):
 
 
 def test_blobs_are_reused_across_engines_on_disk(tiny, tmp_path):
-    first = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    first = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
     keys = first.encode_chunks(CHUNKS)
-    second = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    second = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
     second.store.memory.clear()
     assert all(second.store.get(k, second.fingerprint) is not None for k in keys)
     assert second.store.stats().disk_hits == 2
@@ -169,8 +169,8 @@ def test_blobs_are_reused_across_engines_on_disk(tiny, tmp_path):
 def test_prefix_caching_is_exact(tiny, tmp_path):
     """The text before the first chunk sees only itself, so caching it changes nothing."""
     prompt = "System: be brief.\nContext:\n" + CHUNKS[0] + "\n" + CHUNKS[1] + "\nQ: who?\nA:"
-    with_prefix = TurboRAGEngine(tiny, store=tmp_path / "a")
-    without = TurboRAGEngine(tiny, store=tmp_path / "b", cache_prefix=False)
+    with_prefix = TurboRAGEngine(tiny, store=tmp_path / "a", recovery="none")
+    without = TurboRAGEngine(tiny, store=tmp_path / "b", cache_prefix=False, recovery="none")
     for e in (with_prefix, without):
         e.encode_chunks(CHUNKS)
     a = with_prefix.prefill(with_prefix.segments(prompt, CHUNKS)[0])
@@ -199,12 +199,12 @@ def test_prompt_without_found_chunks_is_not_stored(engine):
 def test_engine_closes_the_store_it_opened_and_only_that(tiny, tmp_path):
     from turborag_integrations.core.store import KVStore, StoreClosedError
 
-    with TurboRAGEngine(tiny, store=tmp_path / "own") as own:
+    with TurboRAGEngine(tiny, store=tmp_path / "own", recovery="none") as own:
         own.encode_chunks(["A chunk the engine's own store keeps."])
     with pytest.raises(StoreClosedError):
         own.store.keys()
     shared = KVStore(tmp_path / "shared")
-    with TurboRAGEngine(tiny, store=shared) as borrower:
+    with TurboRAGEngine(tiny, store=shared, recovery="none") as borrower:
         borrower.encode_chunks(["A chunk in a store the caller owns."])
     assert len(shared.keys()) == 1  # still open
     shared.close()
@@ -213,7 +213,7 @@ def test_engine_closes_the_store_it_opened_and_only_that(tiny, tmp_path):
 def test_namespaces_reuse_only_their_own_blobs_and_the_shared_ones(tiny, tmp_path):
     """Invariant 10 in the engine: what one namespace ingested is never reused by another; a
     namespace named as shared is read, never written."""
-    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
     a, b = engine.namespaced("a"), engine.namespaced("b", shared=("public",))
     public = engine.namespaced("public")
     assert engine.namespaced("a") is a and a.namespace == "a" and engine.namespace == ""
@@ -266,7 +266,7 @@ def test_views_of_quiet_namespaces_are_let_go_and_share_one_key_cache(tiny, tmp_
     """A server makes a view per cache salt: the engine keeps the most recent views only, and
     the chunk keys they remember live in one bounded cache."""
     monkeypatch.setattr(TurboRAGEngine, "MAX_VIEWS", 2)
-    engine = TurboRAGEngine(tiny, store=tmp_path / "kv")
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
     engine._keys.max_entries = 4
     first = engine.namespaced("acme/s0")
     key = first.encode_chunks(CHUNKS[:1])[0]

@@ -20,7 +20,8 @@ def last_logits(engine, prompt, chunks, **kwargs):
 
 @pytest.fixture
 def engine(tiny_llama, tmp_path):
-    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD]) as made:
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD],
+                        recovery="none") as made:
         made.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])
         yield made
 
@@ -37,7 +38,7 @@ def test_first_chunk_after_a_known_head_is_the_full_prefill(engine):
 
     prompt = HEAD + "\n\n".join(CHUNKS) + QUESTION
     lead, _ = last_logits(engine, prompt, CHUNKS)
-    other = TurboRAGEngine(engine.loaded, store=engine.store)  # no prompt heads
+    other = TurboRAGEngine(engine.loaded, store=engine.store, recovery="none")  # no prompt heads
     usual, segments = last_logits(other, prompt, CHUNKS)
     assert not any(other.is_lead(s.blob) for s in segments)
     recomputed, _ = last_logits(other, prompt, CHUNKS, recovery="first")
@@ -57,7 +58,7 @@ def test_only_the_first_chunk_after_that_very_head_uses_it(engine):
 
 
 def test_a_head_added_after_ingestion_encodes_lead_blobs_when_first_needed(tiny_llama, tmp_path):
-    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv") as engine:
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", recovery="none") as engine:
         engine.encode_chunks(CHUNKS)
         before = set(engine.store.keys())
         ids = engine.add_prompt_head(HEAD)
@@ -70,7 +71,7 @@ def test_a_head_added_after_ingestion_encodes_lead_blobs_when_first_needed(tiny_
 
 
 def test_a_lead_blob_made_when_first_needed_goes_with_its_chunks_documents(tiny_llama, tmp_path):
-    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv") as engine:
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", recovery="none") as engine:
         engine.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])
         engine.encode_chunks(CHUNKS[:1], doc_ids=["d3"])  # a chunk two documents share
         engine.add_prompt_head(HEAD)
@@ -112,7 +113,8 @@ def test_a_head_is_matched_as_a_prompt_tokenizes_it_before_a_chunk(tmp_path):
     loaded = tiny_model("llama", merges=(("Ċ", "Ċ"),))
     head = "<s>system\nAnswer from the context:\n\n"
     alone = loaded.tokenizer(head, add_special_tokens=False)["input_ids"]
-    with TurboRAGEngine(loaded, store=tmp_path / "kv", prompt_heads=[head]) as engine:
+    with TurboRAGEngine(loaded, store=tmp_path / "kv", prompt_heads=[head],
+                        recovery="none") as engine:
         assert len(engine.prompt_heads[0]) == len(alone) + 1
         engine.encode_chunks(CHUNKS)
         prompt = head + CHUNKS[0] + QUESTION
@@ -136,7 +138,8 @@ def test_first_chunk_recovery_is_skipped_over_a_lead_blob(engine):
     assert first.token_ids == plain.token_ids
     both = engine.generate(prompt, chunks=CHUNKS, config=cfg, recovery="first,boundary:2")
     assert both.stats.extra["recovery"] == "boundary:2"
-    other = TurboRAGEngine(engine.loaded, store=engine.store)  # no heads: "first" runs
+    other = TurboRAGEngine(engine.loaded, store=engine.store,
+                           recovery="none")  # no heads: "first" runs
     # boundary:2 ran on every chunk but the lead blob's, whose 2 tokens are exact already
     edges = other.generate(prompt, chunks=CHUNKS, config=cfg, recovery="boundary:2")
     assert both.stats.prefilled_tokens == edges.stats.prefilled_tokens - 2
@@ -150,7 +153,8 @@ def test_ingestion_progress_counts_the_lead_blobs(tiny_llama, tmp_path):
     """A progress bar of ingestion ends at every blob written: one per chunk, and one more per
     chunk and prompt head; what was stored before counts as done at once."""
     seen = []
-    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD]) as engine:
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD],
+                        recovery="none") as engine:
         engine.encode_chunks(CHUNKS, progress=lambda done, total: seen.append((done, total)))
         assert seen[-1] == (4, 4) and {t for _, t in seen} == {4}
         assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never backwards

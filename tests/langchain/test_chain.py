@@ -43,7 +43,9 @@ def test_chain_reuses_document_kv(rag, engine):
     assert stats["cache_hits"] == 3 and stats["cache_misses"] == 0
     doc_tokens = sum(len(engine.tokenizer(d.page_content, add_special_tokens=False)["input_ids"])
                      for d in docs)
-    assert stats["reused_tokens"] >= doc_tokens > 0
+    # the default recovery recomputes a few of the documents' tokens; the rest is reused
+    assert stats["reused_tokens"] + stats["recomputed_tokens"] >= doc_tokens > 0
+    assert stats["recomputed_tokens"] < stats["reused_tokens"]
     assert stats["prefilled_tokens"] < stats["prompt_tokens"]
     assert msg.usage_metadata["input_token_details"]["cache_read"] == stats["reused_tokens"]
     assert msg.content
@@ -140,7 +142,7 @@ def test_recovery_as_a_field_and_per_call(rag, engine):
         return chain_of(store, model).invoke(QUESTION)
 
     full = run(llm.bind(mode="naive", max_tokens=8))
-    stitched = run(llm.bind(max_tokens=8))
+    stitched = run(llm.bind(max_tokens=8, recovery="none"))
     everything = run(TurboRAGChatModel(engine=engine, registry=llm.registry, max_tokens=8,
                                        recovery="boundary:100000"))
     four = run(llm.bind(max_tokens=8, recovery="boundary:4"))

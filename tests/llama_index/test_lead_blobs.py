@@ -21,7 +21,8 @@ QUESTION = "How many steps do visitors climb in the lighthouse?"
 def ask(tmp_path, embed_model, k: int, stock_head: bool):
     """Ingest TEXTS with an LLM on the engine, ask through a stock query engine; returns the
     LLM, the engine, the prompt it got and the retrieved texts."""
-    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False)
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            recovery="none")
     prompts = []
     llm = TurboRAGLLM(engine, max_new_tokens=2, stock_head=stock_head)
     render = llm.chat_prompt
@@ -60,13 +61,15 @@ def test_every_chunk_gets_its_lead_blob_at_ingestion(tmp_path, embed_model):
     leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
     assert len(leads) == len(TEXTS)
     # three chunks: the first is exact, as recomputing it would make it
-    recomputed = logits(TurboRAGEngine(engine.loaded, store=engine.store), prompt, texts,
+    recomputed = logits(TurboRAGEngine(engine.loaded, store=engine.store,
+                                       recovery="none"), prompt, texts,
                         recovery="first")
     torch.testing.assert_close(logits(engine, prompt, texts), recomputed, atol=1e-4, rtol=0)
 
 
 def test_add_prompt_takes_other_templates_and_refuses_what_cannot_have_a_head(tmp_path):
-    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False)
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            recovery="none")
     llm = TurboRAGLLM(engine, stock_head=False)
     head = llm.add_prompt(PromptTemplate("Read:\n{context_str}\nQ: {query_str}\nA:"))
     assert head.endswith("Read:\n") and len(engine.prompt_heads) == 1
@@ -77,7 +80,8 @@ def test_add_prompt_takes_other_templates_and_refuses_what_cannot_have_a_head(tm
 
 
 def test_the_ingestion_bar_counts_the_lead_blobs(tmp_path, capsys):
-    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False)
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            recovery="none")
     TurboRAGLLM(engine, stock_head=True)  # registers the stock head
     store = KVCachingVectorStore(engine, path=tmp_path / "chroma", show_progress=True)
     store.add([TextNode(text=t, embedding=[float(i), 1.0, 0.0]) for i, t in enumerate(TEXTS)])

@@ -242,7 +242,7 @@ def test_recovery_in_a_stock_query_engine(index, engine):
         return llm.last_result
 
     full = run(TurboRAGLLM(engine, max_new_tokens=8, mode="naive"))
-    stitched = run(TurboRAGLLM(engine, max_new_tokens=8))
+    stitched = run(TurboRAGLLM(engine, max_new_tokens=8, recovery="none"))
     everything = run(TurboRAGLLM(engine, max_new_tokens=8, recovery="boundary:100000"))
     four = run(TurboRAGLLM(engine, max_new_tokens=8, recovery="boundary:4"))
     assert stitched.stats.cache_hits == everything.stats.cache_hits == four.stats.cache_hits == 2
@@ -261,7 +261,7 @@ def test_recovery_in_a_stock_query_engine(index, engine):
     run(llm)
     assert llm.last_result.stats.reused_tokens == stitched.stats.reused_tokens
     assert llm.last_result.stats.extra["recovery"] == "none"
-    headless = TurboRAGEngine(engine.loaded, store=engine.store, progress=False)
+    headless = TurboRAGEngine(engine.loaded, store=engine.store, progress=False, recovery="none")
     llm = TurboRAGLLM(headless, max_new_tokens=8, recovery="first", stock_head=False)
     _, response = answer(index.as_query_engine(
         llm=llm, node_postprocessors=[KVCachePostprocessor(headless)], similarity_top_k=2))

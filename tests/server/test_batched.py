@@ -7,7 +7,8 @@ import threading
 import httpx
 import pytest
 
-from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prefill.recovery import parse_recovery
+from turborag_integrations.core.settings import DEFAULT_RECOVERY, GenerationConfig
 from turborag_integrations.server.app import create_app
 
 from .conftest import DOCS, final_stats, running, sse_events
@@ -140,3 +141,37 @@ def test_an_unknown_mode_is_refused(server, engine):
         create_app(engine, mode="fast")
     with pytest.raises(ValueError, match="max_batch"):
         create_app(engine, max_batch=0)
+
+
+# ---- recovery --------------------------------------------------------------------------------
+def test_the_recovery_field_reaches_the_prefill_and_a_bad_one_is_a_400(server, engine):
+    """turborag_recovery over a real socket: each request's recovery is the one it asked for
+    (the answer is the engine's own with that recovery), the server's default without one,
+    and a spec that does not parse is refused before any compute, naming the spellings."""
+    url, _ = server
+    prompt = engine.render_chat(messages(1))
+    config = GenerationConfig(max_new_tokens=12)
+    body = {"model": engine.loaded.name, "messages": messages(1), "temperature": 0,
+            "max_tokens": 12}
+    seen = {}
+    for spec in ("none", "boundary:3", "select:1"):
+        text, stats = answer(url, {**body, "turborag_recovery": spec, "stream": spec == "none"})
+        own = engine.generate(prompt, chunks=DOCS[1:3], config=config, recovery=spec)
+        assert stats["recovery"] == spec and text == own.text
+        assert stats["recomputed_tokens"] == own.stats.extra["recomputed_tokens"]
+        seen[spec] = stats
+    assert seen["none"]["recomputed_tokens"] == 0
+    # three of each of the two chunks, and of the stitched separator between them
+    assert 3 * 2 <= seen["boundary:3"]["recomputed_tokens"] <= 3 * 3
+    # every chunk token recomputed: only the exact prompt head is still reused
+    everything = seen["select:1"]["recomputed_tokens"]
+    assert everything == seen["none"]["reused_tokens"] - seen["select:1"]["reused_tokens"] > 0
+    _, default = answer(url, body)
+    assert default["recovery"] == str(engine.recovery) == str(parse_recovery(DEFAULT_RECOVERY))
+    for bad in ("select:2", "select", "fancy:3"):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                       json={**body, "turborag_recovery": bad})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "turborag_recovery"
+        assert "select:RATIO" in error["message"] and "boundary:K" in error["message"]

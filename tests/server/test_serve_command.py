@@ -12,10 +12,12 @@ from fastapi import FastAPI
 from typer.testing import CliRunner
 
 from turborag_integrations.cli import app as cli
+from turborag_integrations.core.settings import DEFAULT_RECOVERY
 from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
-            "adapter": "none", "encoder": "default", "mode": "turbo", "max_batch": 8, "max_queue": 64,
+            "adapter": "none", "encoder": "default", "mode": "turbo", "recovery": DEFAULT_RECOVERY,
+            "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
             "question_last": False, "context_tokens": None, "prompts": []}
 
@@ -61,7 +63,9 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
                        (["--max-body-bytes", "lots"], "--max-body-bytes: not a size"),
                        (["--max-body-bytes", "0"], "at least 1 byte"),
                        (["--api-key", ""], "--api-key is empty"),
-                       (["--api-key", "k", "--keys", "keys.json"], "not both")):
+                       (["--api-key", "k", "--keys", "keys.json"], "not both"),
+                       (["--recovery", "select:2"], "--recovery: bad recovery 'select:2'"),
+                       (["--recovery", "fancy:3"], "--recovery: unknown recovery 'fancy:3'")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
     for args, says in ((["--prompt", "missing.txt"], "cannot read the prompt template"),
@@ -76,8 +80,9 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, adapter, encoder, question_last):
-        made.append((model, store, adapter, encoder, question_last, threading.current_thread()))
+    def load(model, *, store, adapter, encoder, recovery, question_last):
+        made.append((model, store, adapter, encoder, recovery, question_last,
+                     threading.current_thread()))
         return engine
 
     monkeypatch.setattr(server_app, "TurboRAGEngine", load)
@@ -91,9 +96,11 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
                          question_last=True, prompts=["Read:\n{context}\nQ: {question}\nA:"])
     finally:
         torch.set_num_threads(before)
-    (model, store, adapter, encoder, question_last, loader), = made
-    # the model as loaded (no adapter merged), chunks encoded with the shipped encoder
-    assert (model, store, adapter, encoder, question_last) == ("m", "kv", None, "default", True)
+    (model, store, adapter, encoder, recovery, question_last, loader), = made
+    # the model as loaded (no adapter merged), chunks encoded with the shipped encoder, the
+    # default recovery
+    assert (model, store, adapter, encoder, recovery, question_last) == (
+        "m", "kv", None, "default", DEFAULT_RECOVERY, True)
     assert loader is not threading.current_thread() and not loader.is_alive()
     # warmed up on the scheduler's thread, which runs torch with the threads asked for
     assert ran[0] == ("turborag-batch", 1)

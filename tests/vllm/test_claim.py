@@ -106,3 +106,15 @@ def test_a_salted_request_reads_its_tenants_chunks_and_the_public_ones():
     # a salt on a store without tenants reads the default namespace's chunks
     assert readable(salt_namespace("turborag-user7", "turborag")) == ("/-user7", "", PUBLIC)
     assert readable("acme/s1", public=False) == ("acme/s1", "acme")
+
+
+def test_a_recovery_is_refused_with_what_to_use_instead():
+    from turborag_integrations.vllm.claim import recovery_refusal
+
+    assert recovery_refusal(None) is None and recovery_refusal({}) is None
+    assert recovery_refusal({"turborag_recovery": "none"}) is None
+    for spec in ("select:0.15", "boundary:16", "first"):
+        why = recovery_refusal({"turborag_recovery": spec})
+        assert spec in why and "prefilled whole" in why and "turborag serve" in why
+    bad = recovery_refusal({"turborag_recovery": "select:7"})
+    assert "(0, 1]" in bad and "no recovery" in bad

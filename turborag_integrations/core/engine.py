@@ -26,7 +26,8 @@ from .prefill.anchor import (CONTEXT_MARKER, DEFAULT_ANCHOR, VALUE_MARKER, ancho
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.context import DEFAULT_CONTEXT_TOKENS
 from .prefill.encoding import LearnedEncoding, resolve_encoder
-from .prefill.recovery import SparingExact, parse_recovery, without_first
+from .prefill.recovery import (DEFAULT_RECOVERY, NO_RECOVERY, Recovery, SparingExact,
+                               parse_recovery, without_first)
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
 from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
@@ -58,7 +59,7 @@ class TurboRAGEngine(ChunkLibrary):
                  encoder: "str | Path | LearnedEncoding | None" = "default",
                  namespace: str = "", separators: bool = True,
                  context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                 prompt_heads: Sequence[str] = ()):
+                 prompt_heads: Sequence[str] = (), recovery: str | Recovery = DEFAULT_RECOVERY):
         """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
@@ -97,12 +98,18 @@ class TurboRAGEngine(ChunkLibrary):
         with that head is stitched from that blob, exactly as a full prefill computes it
         (`add_prompt_head`, core/library.py). Each head costs one more blob per chunk.
 
+        recovery: what a turbo request that names no recovery of its own recomputes at query
+        time (core/prefill/recovery.py): "select:0.15" by default — the 15% of chunk tokens the
+        question attends to most, recomputed with attention to everything before them; "none"
+        stitches the blobs as they are.
+
         question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
         Context: … Answer:") in front of the user's text before them, so that the question is read
         after the chunks, as stitching needs (core/prefill/reorder.py). Off by default: it
         changes the prompt. Full prefills keep the prompt as written.
         """
         check_choice("positions", positions, POSITION_MODES)
+        self.recovery = parse_recovery(recovery) or NO_RECOVERY  # a bad spec fails before loading
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, progress=progress)
         self.model = self.loaded.model
@@ -342,16 +349,18 @@ class TurboRAGEngine(ChunkLibrary):
         return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room),
                        pool=self.cache_pool, recovery=self.recovery_for(segments, recovery))
 
-    def recovery_for(self, segments: Sequence[Segment], recovery=None):
-        """The recovery that `prefill` runs for `segments`: `recovery` parsed, and where the
-        first chunk is a lead blob (exact already), less its first-chunk part, the other parts
-        sparing that chunk's tokens."""
+    def recovery_for(self, segments: Sequence[Segment], recovery=None) -> Recovery:
+        """The recovery that `prefill` runs for `segments`: `recovery` parsed (None: the
+        engine's), and where the first chunk is a lead blob (exact already), less its
+        first-chunk part, the other parts sparing that chunk's tokens."""
         recovery = parse_recovery(recovery)
+        if recovery is None:
+            recovery = self.recovery
         if isinstance(recovery, SparingExact):  # resolved already (`start`)
             return recovery
-        if recovery is not None and any(self.is_lead(s.blob) for s in segments):
+        if recovery is not NO_RECOVERY and any(self.is_lead(s.blob) for s in segments):
             rest = without_first(recovery)
-            return None if rest is None else SparingExact(rest, self.is_lead)
+            return rest if rest is NO_RECOVERY else SparingExact(rest, self.is_lead)
         return recovery
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
@@ -413,12 +422,15 @@ class TurboRAGEngine(ChunkLibrary):
         stats.extra["positions"] = request.positions or self.positions
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
-        if request.recovery is not None:
-            asked = parse_recovery(request.recovery)
-            stats.extra["recovery"] = str(recovery) if recovery is not None else "none"
-            if str(asked) != stats.extra["recovery"]:
+        if mode == "turbo":
+            asked = parse_recovery(request.recovery) or self.recovery
+            stats.extra["recovery"] = str(recovery)
+            if str(asked) != str(recovery):
                 stats.extra["recovery_asked"] = str(asked)  # "first" over a lead blob: skipped
+            # the split of the query-time work: choosing the tokens (recovery_s), then one
+            # forward (prefill_s) over the recomputed chunk tokens and the plain ones
             stats.extra["recovery_s"] = pre.timings.get("recovery_s", 0.0)
+            stats.extra["recomputed_tokens"] = pre.timings.get("recomputed_tokens", 0)
         limit = new_token_limit(config.max_new_tokens, self.context_window, plan.next_position)
         return Prepared(request, pre, stats, limit)
 

@@ -286,6 +286,34 @@ def check_supported(config) -> None:
     rope_type_of(config)
 
 
+def model_source(spec: str | None, *, progress: bool = True) -> str:
+    """Where `spec` loads from: a bundled model's converted folder (converted on first use), a
+    local folder, or a Hugging Face id."""
+    spec = spec or DEFAULT_MODEL
+    if spec in CATALOG:
+        return str(prepare_bundled(spec, progress=progress))
+    if Path(spec).expanduser().exists():
+        return str(Path(spec).expanduser())
+    if "/" in spec:
+        return spec  # a hub id: transformers resolves (and caches) it
+    raise ModelError(
+        f"unknown model {spec!r}: give a bundled name ({', '.join(CATALOG)}), a local "
+        "folder, or a Hugging Face id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+    )
+
+
+def load_tokenizer(spec: str | None = None, *, progress: bool = True):
+    """The tokenizer of `spec` alone (no weights): what counting tokens needs."""
+    from transformers import AutoTokenizer
+
+    source = model_source(spec, progress=progress)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as exc:
+        raise ModelError(f"could not load the tokenizer of {spec!r} from {source}: {exc}") \
+            from exc
+
+
 def load_model(spec: str | None = None, *, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
                progress: bool = True) -> LoadedModel:
@@ -297,17 +325,7 @@ def load_model(spec: str | None = None, *, dtype: str | torch.dtype = "float32",
 
     spec = spec or DEFAULT_MODEL
     torch_dtype = parse_dtype(dtype)
-    if spec in CATALOG:
-        source = str(prepare_bundled(spec, progress=progress))
-    elif Path(spec).expanduser().exists():
-        source = str(Path(spec).expanduser())
-    elif "/" in spec:
-        source = spec  # a hub id: transformers resolves (and caches) it
-    else:
-        raise ModelError(
-            f"unknown model {spec!r}: give a bundled name ({', '.join(CATALOG)}), a local "
-            "folder, or a Hugging Face id such as 'Qwen/Qwen2.5-0.5B-Instruct'"
-        )
+    source = model_source(spec, progress=progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(

@@ -16,6 +16,11 @@ POSITION_MODES = ("reordered", "composite")
 QUANTIZE_MODES = (None, "int8", "bf16")
 DRAFT_MODES = (None, "int8", "bf16")
 RESIDUALS = ("rapid", "standard")
+# What a turbo request that names no recovery recomputes at query time (core/prefill/recovery.py;
+# chosen on the hand-written dev set, docs/accuracy.md), and the spellings a recovery takes.
+DEFAULT_RECOVERY = "select:0.15"
+RECOVERY_HELP = ("none | select:RATIO (e.g. select:0.15) | select:auto[:LOW-HIGH] | first[:K] | "
+                 "boundary:K | blend:RATIO[@LAYER] | several joined by ','")
 
 
 def check_choice(name: str, value, allowed: Sequence):

@@ -7,6 +7,7 @@ LangChain types they return. RapidChatModel shares the sampling knobs (`Sampling
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any, Literal
@@ -42,6 +43,14 @@ def shared_engine(model: str | None = None) -> TurboRAGEngine:
         if engine is None:
             engine = _ENGINES[model] = TurboRAGEngine(model, progress=False)
         return engine
+
+
+@functools.lru_cache(maxsize=8)
+def shared_tokenizer(model: str | None = None):
+    """The tokenizer of a model by name, loaded once per process without its weights."""
+    from ..core.models import load_tokenizer
+
+    return load_tokenizer(model, progress=False)
 
 
 def chunk_texts(chunks: Any) -> list[str]:
@@ -106,9 +115,9 @@ class TurboRAGParams(SamplingParams):
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
     recovery: str | None = None
-    """Turbo mode only: recompute some chunk tokens with full context, e.g. "first" (the
-    prompt's first chunk) or "boundary:32" (answers bought with speed; docs/accuracy.md). Also
-    a per-call option."""
+    """Turbo mode only: which chunk tokens to recompute with full context at query time. None:
+    the engine's default ("select:0.15", the tokens the question attends to most); "none"
+    stitches the blobs as they are; others in docs/accuracy.md. Also a per-call option."""
     quantize: Literal["int8", "bf16"] | None = None
     """Decode with quantised weights: faster, answers may drift (see GenerationConfig)."""
     draft: Literal["int8", "bf16"] | None = None
@@ -145,6 +154,16 @@ class TurboRAGParams(SamplingParams):
                 self._engine = shared_engine(self.model_name)
             engine = self._engine
         return engine if self.namespace is None else engine.namespaced(self.namespace)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """`text`'s token ids under the model's own tokenizer (LangChain's `get_num_tokens`
+        counts these): offline, and without loading the weights when no engine is up yet."""
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:  # LangChain's own override still wins
+            return custom(text)
+        engine = self.engine or self._engine
+        tokenizer = engine.tokenizer if engine is not None else shared_tokenizer(self.model_name)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def get_registry(self) -> ChunkRegistry:
         if self.registry is not None:

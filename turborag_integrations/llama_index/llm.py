@@ -40,7 +40,9 @@ def stats_payload(result: GenerationResult) -> dict:
             "prefilled_tokens": s.prefilled_tokens, "cache_hits": s.cache_hits,
             "cache_misses": s.cache_misses, "prompt_tokens": s.prompt_tokens,
             "new_tokens": s.new_tokens, "finish_reason": s.finish_reason, "mode": s.mode,
-            "lead_blob": bool(s.extra.get("lead_blob"))}
+            "lead_blob": bool(s.extra.get("lead_blob")),
+            **{k: s.extra[k] for k in ("recovery", "recomputed_tokens", "recovery_s")
+               if k in s.extra}}
 
 
 class TurboRAGLLM(EngineBound, StreamingLLM):
@@ -60,10 +62,11 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     positions: Optional[str] = Field(default=None,
                                      description="'reordered' or 'composite' (None: the engine's)")
     mode: str = Field(default="turbo", description="'turbo' (reuse blobs) or 'naive' (prefill all)")
-    recovery: Optional[str] = Field(default=None, description="turbo mode only: recompute "
-                                    "some chunk tokens with full context, e.g. 'first' (the "
-                                    "prompt's first chunk) or 'boundary:32' (answers bought "
-                                    "with speed; docs/accuracy.md)")
+    recovery: Optional[str] = Field(default=None, description="turbo mode only: which chunk "
+                                    "tokens to recompute with full context at query time; None: "
+                                    "the engine's default ('select:0.15', the tokens the "
+                                    "question attends to most), 'none': the blobs as they are "
+                                    "(docs/accuracy.md)")
     quantize: Optional[str] = Field(default=None, description="decode with 'int8' or 'bf16' "
                                     "weights: faster, answers may drift (see GenerationConfig)")
     draft: Optional[str] = Field(default=None, description="'int8' or 'bf16' drafts verified in "

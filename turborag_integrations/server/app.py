@@ -32,7 +32,7 @@ from ..core.batching import BatchScheduler, on_own_thread
 from ..core.engine import TurboRAGEngine
 from ..core.prompt_template import Template, render_prompt_template
 from ..core.registry import ChunkRegistry
-from ..core.settings import MODES, check_choice
+from ..core.settings import DEFAULT_RECOVERY, MODES, check_choice
 from .finder import ChunkFinder
 from .guards import Authenticate, LimitBody
 from .keys import KeyFile
@@ -204,7 +204,8 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
 def serve(*, model: str | None = None, store: str | Path | None = None,
           host: str = "127.0.0.1", port: int = 8000, adapter: str | None = None,
           encoder: str | None = "default",
-          mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+          mode: str = "turbo", recovery: str = DEFAULT_RECOVERY, max_batch: int = MAX_BATCH,
+          max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
           keys: str | Path | None = None, threads: int | None = None,
           question_last: bool = False, context_tokens: int | None = None,
@@ -231,7 +232,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     key_file = KeyFile(keys) if keys is not None else None  # a missing file fails before loading
     engine_options = {} if context_tokens is None else {"context_tokens": context_tokens}
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
-                                                   encoder=encoder,
+                                                   encoder=encoder, recovery=recovery,
                                                    question_last=question_last,
                                                    **engine_options))
     with engine:

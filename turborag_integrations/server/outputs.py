@@ -75,6 +75,7 @@ class OutputLoop:
 
     def add(self, request_id: str, prompt: str, *, chunks: Iterable[str] = (),
             config: GenerationConfig, mode: str = "turbo", engine: TurboRAGEngine | None = None,
+            recovery: str | None = None,
             on_end: Callable[[GenerationResult], None] | None = None) -> RequestStream:
         """Add a request to the scheduler (arguments as `BatchScheduler.add_request`) and return
         its stream. Call on the event loop. on_end: called there with the result of every
@@ -94,7 +95,8 @@ class OutputLoop:
         self._streams[request_id] = stream
         try:
             self.scheduler.add_request(request_id, prompt, chunks=chunks, config=config,
-                                       mode=mode, engine=engine, on_output=on_output)
+                                       mode=mode, engine=engine, recovery=recovery,
+                                       on_output=on_output)
         except BaseException:
             del self._streams[request_id]
             raise

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..core.prefill.recovery import parse_recovery
+
 # vLLM's rules for a cache salt (vllm/entrypoints/generate/base/protocol.py), so that a salt a
 # client uses with this server is one vLLM takes too
 MAX_CACHE_SALT_CHARS = 128
@@ -99,6 +101,16 @@ class CompletionParams(Salted):
     turborag_mode: Literal["turbo", "naive"] | None = None
     """"naive" prefills this prompt whole, reusing nothing (the baseline to compare with);
     unset: the server's mode (`turborag serve --mode`)."""
+    turborag_recovery: str | None = None
+    """Which chunk tokens a turbo prefill recomputes with full context: "select:0.15" (the
+    tokens the question attends to most), "select:auto", "boundary:16", "none", …
+    (core/prefill/recovery.py); unset: the server's (`turborag serve --recovery`)."""
+
+    @field_validator("turborag_recovery")
+    @classmethod
+    def _recovery(cls, value: str | None) -> str | None:
+        parse_recovery(value)  # a spec that does not parse is a 400 naming the accepted ones
+        return value
 
     @property
     def token_limit(self) -> int | None:

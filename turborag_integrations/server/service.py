@@ -165,6 +165,7 @@ class Service:
                                         if mode == "turbo" else ([], 0.0))
                     stream = self.outputs.add(
                         reply.id, prompt, chunks=chunks, config=config, mode=mode, engine=view,
+                        recovery=req.turborag_recovery,
                         on_end=lambda result: self._ended(result, reply.id, lookup_s, principal))
                 except ClientGone:  # it left during the lookup: never submitted
                     return Response(status_code=CLIENT_GONE)

@@ -118,3 +118,27 @@ def salt_namespace(salt: str | None, prefix: str) -> str | None:
         return namespace_of("", rest)
     tenant, _, split = rest[1:].partition(":")
     return namespace_of(tenant, split)
+
+
+RECOVERY = "turborag_recovery"  # kv_transfer_params key: the recovery a request asks for
+
+
+def recovery_refusal(params) -> str | None:
+    """Why a request's `kv_transfer_params.turborag_recovery` cannot be honoured here, or None
+    when it asks for none. vLLM fills a prompt front to back: the connector can hand it a run of
+    stored KV, never recompute tokens inside that run, so any recovery other than "none" is
+    refused, and the request is prefilled whole instead (the answer a recovery approaches)."""
+    from ..core.prefill.recovery import NO_RECOVERY, parse_recovery
+
+    spec = params.get(RECOVERY) if isinstance(params, dict) else None
+    if spec is None:
+        return None
+    try:
+        if parse_recovery(spec) is NO_RECOVERY:
+            return None
+    except ValueError as exc:
+        return f"{exc}; and vLLM's connector runs no recovery in any case"
+    return (f"recovery {spec!r} cannot run inside vLLM: its connector only loads stored KV "
+            "prefixes and cannot recompute tokens within them, so this request was prefilled "
+            "whole (the full prefill's answer). Query-time recovery runs in the HF engine: "
+            "`turborag serve` (docs/serving.md) or the LlamaIndex/LangChain LLMs")

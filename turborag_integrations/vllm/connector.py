@@ -83,7 +83,7 @@ from ..core.prefill.token_spans import SpanEntry, TokenSpanIndex
 from ..core.prefill.token_spans import non_overlapping
 from ..core.store import KVStore
 from ..core.store.namespaces import readable
-from .claim import Claim, ClaimedSpan, plan_claim, salt_namespace
+from .claim import Claim, ClaimedSpan, plan_claim, recovery_refusal, salt_namespace
 from .heads import rank_heads
 from .ingest import IngestPlan, IngestRequestError, plan_ingest, wants_ingest
 from .layout import BlockLayout, UnreadableCacheLayout, probe_layout
@@ -258,6 +258,7 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
             self._claims: dict[str, Claim] = {}
             self._named: dict[str, dict] = {}  # req_id -> counts of the chunks it named
+            self._refused: dict[str, str] = {}  # req_id -> why its recovery cannot run
             self._max_head = int(extra.get("max_head_tokens", 512))
             self._ingestions: dict[str, Ingestion] = {}
             if self._enabled:
@@ -438,6 +439,12 @@ class TurboRAGConnector(KVConnectorBase_V1):
         namespaces = self._namespaces(request) if self._enabled else None
         if namespaces is None:
             return 0, False
+        refusal = recovery_refusal(params)
+        if refusal is not None:  # never silently stitched: prefilled whole, and told why
+            if request.request_id not in self._refused:
+                log.warning("TurboRAG: request %s: %s", request.request_id, refusal)
+            self._refused[request.request_id] = refusal
+            return 0, False
         spaces = [self._space(n) for n in namespaces]
         own = spaces[0]
         for space in spaces:
@@ -572,6 +579,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
         claim = self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         named = self._named.pop(request.request_id, None) or {}
+        refused = self._refused.pop(request.request_id, None)
+        if refused is not None:
+            return False, {"turborag": {"claimed_tokens": 0, "recovery_refused": refused}}
         if claim is None:
             return False, None
         return False, {"turborag": {"claimed_tokens": claim.end,

@@ -42,7 +42,8 @@ def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
     stitched and prefilled with the plain model, give the logits of the one masked forward that
     training optimises (the LoRA on the chunk spans only, the soft tokens in each span's head)."""
     enc = encoding_for(tiny, soft=soft, rank=rank)
-    engine = TurboRAGEngine(tiny, store=str(tmp_path / "kv"), progress=False, encoder=enc)
+    engine = TurboRAGEngine(tiny, store=str(tmp_path / "kv"), progress=False, encoder=enc,
+                            recovery="none")
     engine.encode_chunks(CHUNKS)
     prompt = prompt_of(engine)
     segments, hits, _ = engine.segments(prompt, CHUNKS)
@@ -56,7 +57,8 @@ def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
         ref = student_logits(tiny.model, enc, ex, num_reply=1)
     torch.testing.assert_close(pre.logits, ref[0], atol=1e-4, rtol=0)
     # and the encoding matters: the training-free blobs give other logits
-    plain = TurboRAGEngine(tiny, store=str(tmp_path / "kv2"), progress=False, encoder=None)
+    plain = TurboRAGEngine(tiny, store=str(tmp_path / "kv2"), progress=False, encoder=None,
+                           recovery="none")
     plain.encode_chunks(CHUNKS)
     other = plain.prefill(plain.segments(prompt, CHUNKS)[0], reserve=4).logits
     assert (other - pre.logits).abs().max() > 1e-3
@@ -74,7 +76,7 @@ def test_stitched_logits_equal_the_training_forward_with_contexts(tiny, tmp_path
     reproduces the stitched prompt's logits, and differs from the layout without contexts."""
     enc = encoding_for(tiny, soft=3, rank=4)
     engine = TurboRAGEngine(tiny, store=str(tmp_path / "kv"), progress=False, encoder=enc,
-                            context_tokens=40)
+                            context_tokens=40, recovery="none")
     engine.encode_chunks(CHUNKS, contexts=CONTEXTS)
     prompt = prompt_of(engine)
     pre = engine.prefill(engine.segments(prompt, CHUNKS)[0], reserve=4)
@@ -98,8 +100,10 @@ def test_stitched_logits_equal_the_training_forward_with_contexts(tiny, tmp_path
 def test_full_prefill_is_the_unmodified_model(tiny_llama, tmp_path):
     """Only blobs change: a full prefill with an encoder answers token for token as without."""
     enc = encoding_for(tiny_llama)
-    with_enc = TurboRAGEngine(tiny_llama, store=str(tmp_path / "a"), progress=False, encoder=enc)
-    without = TurboRAGEngine(tiny_llama, store=str(tmp_path / "b"), progress=False, encoder=None)
+    with_enc = TurboRAGEngine(tiny_llama, store=str(tmp_path / "a"), progress=False, encoder=enc,
+                              recovery="none")
+    without = TurboRAGEngine(tiny_llama, store=str(tmp_path / "b"), progress=False, encoder=None,
+                             recovery="none")
     prompt = prompt_of(with_enc)
     a = with_enc.generate(prompt, mode="naive")
     b = without.generate(prompt, mode="naive")
@@ -112,10 +116,11 @@ def test_full_prefill_is_the_unmodified_model(tiny_llama, tmp_path):
 
 def test_encoder_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
     kv = str(tmp_path / "kv")
-    one = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=encoding_for(tiny_llama))
+    one = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=encoding_for(tiny_llama),
+                         recovery="none")
     two = TurboRAGEngine(tiny_llama, store=kv, progress=False,
-                         encoder=encoding_for(tiny_llama, seed=2))
-    none = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=None)
+                         encoder=encoding_for(tiny_llama, seed=2), recovery="none")
+    none = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=None, recovery="none")
     keys = {e.chunk_key(CHUNKS[0]) for e in (one, two, none)}
     assert len(keys) == 3
     assert len({e.fingerprint.id for e in (one, two, none)}) == 3
@@ -130,18 +135,20 @@ def test_file_round_trip_and_refusals(tiny_llama, tmp_path):
     back = LearnedEncoding.load(path)
     assert back.digest() == enc.digest()
     engine = TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False,
-                            encoder=str(path))
+                            encoder=str(path), recovery="none")
     assert engine.learned.digest() == enc.digest()
     # another model's weights, another tokenizer, another anchor: refused before any blob
     other = tiny_model("llama", seed=5)
     with pytest.raises(EncoderMismatch, match="other model weights"):
-        TurboRAGEngine(other, store=str(tmp_path / "kv"), progress=False, encoder=str(path))
+        TurboRAGEngine(other, store=str(tmp_path / "kv"), progress=False, encoder=str(path),
+                       recovery="none")
     bad_tok = LearnedEncoding(soft=enc.soft, base_weights=enc.base_weights, tokenizer="x" * 32)
     with pytest.raises(EncoderMismatch, match="another tokenizer"):
-        TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False, encoder=bad_tok)
+        TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False, encoder=bad_tok,
+                       recovery="none")
     with pytest.raises(EncoderMismatch, match="anchor"):
         TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False, encoder=enc,
-                       anchor="bos")
+                       anchor="bos", recovery="none")
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(EncoderMismatch, match="not a readable"):
         LearnedEncoding.load(tmp_path / "junk.safetensors")
@@ -193,7 +200,7 @@ def test_a_learned_encoder_leaves_fast_and_batched_decoding_on(tiny_llama, tmp_p
     from turborag_integrations.core.settings import GenerationConfig
 
     engine = TurboRAGEngine(tiny_llama, store=str(tmp_path / "kv"), progress=False,
-                            encoder=encoding_for(tiny_llama))
+                            encoder=encoding_for(tiny_llama), recovery="none")
     engine.encode_chunks(CHUNKS)  # installs the hooks
     model = tiny_llama.model
     assert any(m._forward_hooks for m in model.modules())

@@ -1,12 +1,15 @@
 """Training-free recovery: recomputed chunk tokens see the whole context; the rest stay cached."""
 
+import re
+
 import pytest
 import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.prefill.recovery import (BoundaryRecompute, Combined,
-                                                         FirstChunkRecompute, SelectiveRecompute,
+                                                         FirstChunkRecompute, NO_RECOVERY,
+                                                         SelectiveRecompute,
                                                          parse_recovery, recompute_tokens,
                                                          value_deviation)
 from turborag_integrations.core.prefill.rope import KeyRotator
@@ -127,7 +130,8 @@ def test_first_over_a_prompt_of_one_chunk_is_the_full_prefill(tiny_llama):
 
 
 def test_parse_recovery():
-    assert parse_recovery(None) is None and parse_recovery("none") is None
+    assert parse_recovery(None) is None  # not given: the engine's default
+    assert parse_recovery("none") is NO_RECOVERY and str(NO_RECOVERY) == "none"
     assert parse_recovery("first") == FirstChunkRecompute()
     assert parse_recovery("first:8") == FirstChunkRecompute(8)
     assert str(parse_recovery("first,boundary:8")) == "first,boundary:8"
@@ -146,7 +150,8 @@ def test_engine_passes_recovery_through(tiny_llama, tmp_path):
     prompt = "Use the context.\n" + "\n".join(chunks) + "\nQ: who keeps bicycles?\nA:"
     engine.encode_chunks(chunks)
     cfg = GenerationConfig(max_new_tokens=4)
-    plain = engine.generate(prompt, chunks=chunks, config=cfg)
+    plain = engine.generate(prompt, chunks=chunks, config=cfg, recovery="none")
+    assert plain.stats.extra["recovery"] == "none" and plain.stats.extra["recomputed_tokens"] == 0
     rec = engine.generate(prompt, chunks=chunks, config=cfg, recovery="boundary:5")
     # five tokens of each chunk, and the one-token "\n" stitched between them
     assert rec.stats.reused_tokens == plain.stats.reused_tokens - 5 - 5 - 1
@@ -154,3 +159,95 @@ def test_engine_passes_recovery_through(tiny_llama, tmp_path):
     full = engine.generate(prompt, chunks=chunks, config=cfg, recovery="boundary:1000")
     naive = engine.generate(prompt, chunks=chunks, config=cfg, mode="naive")
     assert full.token_ids == naive.token_ids
+
+
+# ---- query-aware recompute (select:) -------------------------------------------------------
+def eager_copy(loaded):
+    """The same weights under transformers' eager attention, which returns its probabilities."""
+    from tests.conftest import tiny_model
+
+    twin = tiny_model("llama", attn="eager")
+    twin.model.load_state_dict(loaded.model.state_dict())
+    return twin
+
+
+def test_question_attention_equals_the_masked_forwards_attention(tiny_llama):
+    """The probe's score of each prompt token is the attention the tail (the plain tokens after
+    the last chunk) pays it in one forward under TurboRAG's mask, averaged over layers, heads
+    and tail tokens: read here from eager attention's own probabilities."""
+    from turborag_integrations.core.prefill.relevance import question_attention, tail_length
+    from turborag_integrations.core.prefill.stitch import layout
+
+    plan, _ = stitched(tiny_llama)
+    rel = question_attention(tiny_llama.model, plan, KeyRotator.for_model(tiny_llama.model))
+    tail = tail_length(plan)
+    assert tail == len(tiny_llama.tokenizer("\nQuestion: who keeps bicycles?\nAnswer:",
+                                            add_special_tokens=False)["input_ids"])
+    twin = eager_copy(tiny_llama)
+    lay = layout(plan)
+    additive = torch.zeros(len(lay.token_ids), len(lay.token_ids)).masked_fill_(
+        ~lay.mask(), torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        out = twin.model(input_ids=torch.tensor([lay.token_ids]),
+                         position_ids=torch.tensor([lay.positions]),
+                         attention_mask=additive[None, None], output_attentions=True)
+    probs = torch.stack(out.attentions)[:, 0, :, -tail:, :]  # [layers, heads, tail, prompt]
+    expected = probs.mean(dim=(0, 1, 2))[lay.prompt_index]
+    torch.testing.assert_close(rel.scores, expected, atol=1e-5, rtol=0)
+    assert rel.scores.sum() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_select_recomputes_the_top_scored_chunk_tokens(tiny_llama):
+    from turborag_integrations.core.prefill.recovery import QueryAwareRecompute
+    from turborag_integrations.core.prefill.relevance import question_attention
+
+    plan, pre = stitched(tiny_llama, recovery=QueryAwareRecompute(0.2))
+    chunk = [i for s in plan.spans if s.prompt_start > 0
+             for i in range(s.prompt_start, s.prompt_start + s.blob.num_tokens)]
+    chosen = set(pre.plan.plain_index) - set(plan.plain_index)
+    assert len(chosen) == -(-len(chunk) * 2 // 10)
+    scores = question_attention(tiny_llama.model, plan, KeyRotator.for_model(tiny_llama.model)
+                                ).scores
+    lowest_chosen = min(scores[i] for i in chosen)
+    assert all(scores[i] <= lowest_chosen for i in set(chunk) - chosen)
+    assert pre.timings["recomputed_tokens"] == len(chosen)
+
+
+def test_select_everything_equals_full_prefill(tiny):
+    """Invariant 11 through select: every chunk token recomputed gives the full prefill's
+    logits (and no probe runs)."""
+    from turborag_integrations.core.prefill.recovery import QueryAwareRecompute
+
+    plan, pre = stitched(tiny, recovery=QueryAwareRecompute(1.0))
+    full = full_causal_logits(tiny.model, plan)[pre.plan.plain_index]
+    torch.testing.assert_close(pre.logits, full, atol=1e-4, rtol=0)
+
+
+def test_select_auto_budget_follows_the_attention_mass():
+    from turborag_integrations.core.prefill.recovery import QueryAwareRecompute
+
+    auto = QueryAwareRecompute(None, low=0.05, high=0.5, mass=0.5)
+    peaked = torch.tensor([0.5, 0.3] + [0.2 / 98] * 98)  # half the mass on one token
+    assert auto.budget(peaked) == 5  # one would do; the floor is 5 of 100
+    flat = torch.full((100,), 0.01)
+    assert auto.budget(flat) == 50  # half of a flat mass is half of the tokens: the cap
+    spread = torch.tensor([0.04] * 10 + [0.006] * 100)  # 40% on ten tokens
+    assert auto.budget(spread) == 27  # the ten, then 17 of the rest for the other 10%
+    assert QueryAwareRecompute(0.15).budget(flat) == 15
+
+
+def test_select_specs_and_their_errors():
+    from turborag_integrations.core.prefill.recovery import QueryAwareRecompute
+
+    assert parse_recovery("select:0.15") == QueryAwareRecompute(0.15)
+    assert str(parse_recovery("select:0.15")) == "select:0.15"
+    assert parse_recovery("select:auto") == QueryAwareRecompute(None)
+    assert str(parse_recovery("select:auto")) == "select:auto"
+    auto = parse_recovery("select:auto:0.1-0.4")
+    assert (auto.low, auto.high) == (0.1, 0.4) and str(auto) == "select:auto:0.1-0.4"
+    assert str(parse_recovery("boundary:4,select:0.1")) == "boundary:4,select:0.1"
+    for bad, says in (("select:0", "(0, 1]"), ("select:1.5", "(0, 1]"), ("select:", "ratio"),
+                      ("select:x", "select:RATIO"), ("select:auto:0.3-0.1", "below its floor"),
+                      ("select:auto0.1", "auto:LOW-HIGH"), ("select:auto:0.1", "auto:LOW-HIGH")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_recovery(bad)

@@ -1,29 +1,30 @@
-"""Training-free recovery: recompute a few chunk tokens with attention to everything before them.
+"""Query-time recovery: recompute a few chunk tokens with attention to everything before them.
 
-A stitched chunk was encoded alone, so its tokens never saw the context before the chunk, and its
-first tokens behave like the start of a sequence (attention sinks) although they sit mid-prompt.
-An untuned model loses accuracy from both. Recovery turns some chunk tokens back into plain
-tokens: they are prefilled with the rest of the plain text, attending causally to every prompt
-token before them (cached chunk tokens included), at their own position. Every other chunk token
-keeps its cached KV. Three ways to choose the tokens:
+A stitched chunk was encoded alone, so its tokens never saw the prompt before the chunk: which
+value belongs to which subject is decided by attention across chunks, and no per-chunk encoding
+can see it. Recovery turns some chunk tokens back into plain tokens: they are prefilled with the
+rest of the plain text, attending causally to every prompt token before them (cached chunk
+tokens included), at their own position. Every other chunk token keeps its cached KV. The ways
+to choose the tokens:
 
-- `BoundaryRecompute(k)` — the first k tokens of each chunk (the sink tokens).
-- `FirstChunkRecompute(k)` — the prompt's first chunk (its first k tokens, or all of it): the one
-  chunk whose full-prefill KV depends on nothing but the prompt's head.
-- `SelectiveRecompute(ratio, layer)` — CacheBlend-style: run the first `layer` decoder layers
-  over the whole prompt with full causal attention, compare the value vectors the next layer
-  would cache with the stitched ones, and recompute the `ratio` of chunk tokens that deviate most.
-  Costs those few layers over the whole prompt (≈ layer / num_layers of a full prefill) plus the
-  recomputed tokens.
+- `QueryAwareRecompute(ratio)` — `select:0.15`, the default: the chunk tokens the question
+  attends to most, read from one stitched prefill of the plain tokens (prefill/relevance.py;
+  ProphetKV's criterion). `select:auto` picks the count per request from the same attention.
+- `BoundaryRecompute(k)` — `boundary:16`: the first k tokens of each chunk (EPIC).
+- `SelectiveRecompute(ratio, layer)` — `blend:0.15`: CacheBlend's criterion, the chunk tokens
+  whose layer-`layer` values deviate most from a causal pass of the first layers.
+- `FirstChunkRecompute(k)` — `first`: the prompt's first chunk, the one chunk whose full-prefill
+  KV depends on nothing but the prompt's head.
 
-Both only rewrite the `StitchPlan`: a recomputed token moves from a cached span into
+Each only rewrites the `StitchPlan`: a recomputed token moves from a cached span into
 `plain_index`; a span left with a hole is split into runs that hold views of the blob's
 tensors. In a split span, `CachedSpan.position_start` is still the offset the run's keys are
 rotated by (the position of the blob's token 0), so `stitch.assemble` places every kept token
 exactly where it was.
 
-`parse_recovery("first")`, `parse_recovery("boundary:16")`, `parse_recovery("blend:0.15")`,
-`"boundary:8,blend:0.1"` (both) or `"none"` gives the object that `prefill(..., recovery=...)` and the engine take.
+`parse_recovery("select:0.15")`, `"boundary:16"`, `"boundary:8,select:0.1"` (both) or `"none"`
+gives the object that `prefill(..., recovery=...)` and the engine take; `parse_recovery(None)`
+is None, "not given", which the engine reads as its own default.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ..kv.blob import KVBlob
+from ..settings import DEFAULT_RECOVERY, RECOVERY_HELP  # noqa: F401 (re-exported)
+from .relevance import question_attention
 from .stitch import CachedSpan, StitchPlan
 
 
@@ -76,20 +79,25 @@ def recompute_tokens(plan: StitchPlan, indices: Iterable[int]) -> StitchPlan:
 
 
 class Recovery:
-    """Base: choose which cached tokens to recompute. `apply` returns the rewritten plan."""
+    """Base: choose which cached tokens to recompute. `apply` returns the rewritten plan.
+    The base class itself recomputes nothing: `NO_RECOVERY`, what "none" parses to."""
 
     name = "none"
 
-    def select(self, model, plan: StitchPlan, rotator) -> list[int]:
+    def select(self, model, plan: StitchPlan, rotator, pool=None) -> list[int]:
         return []
 
-    def apply(self, model, plan: StitchPlan, rotator) -> StitchPlan:
+    def apply(self, model, plan: StitchPlan, rotator, pool=None) -> StitchPlan:
+        """`pool`: where a recovery that stitches the prompt to read it takes its cache from."""
         if not plan.spans:
             return plan
-        return recompute_tokens(plan, self.select(model, plan, rotator))
+        return recompute_tokens(plan, self.select(model, plan, rotator, pool))
 
     def __str__(self) -> str:
         return self.name
+
+
+NO_RECOVERY = Recovery()
 
 
 def _chunk_spans(plan: StitchPlan) -> list[CachedSpan]:
@@ -112,7 +120,7 @@ class BoundaryRecompute(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return f"boundary:{self.k}"
 
-    def select(self, model, plan, rotator) -> list[int]:
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
         return [s.prompt_start + j for s in _chunk_spans(plan)
                 for j in range(min(self.k, s.blob.num_tokens))]
 
@@ -133,7 +141,7 @@ class FirstChunkRecompute(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return "first" if self.k is None else f"first:{self.k}"
 
-    def select(self, model, plan, rotator) -> list[int]:
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
         spans = _chunk_spans(plan)
         if not spans:
             return []
@@ -158,7 +166,7 @@ class SelectiveRecompute(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return f"blend:{self.ratio:g}" + (f"@{self.layer}" if self.layer != 1 else "")
 
-    def select(self, model, plan, rotator) -> list[int]:
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
         spans = _chunk_spans(plan)
         cached = sum(s.blob.num_tokens for s in spans)
         budget = math.ceil(self.ratio * cached)
@@ -171,6 +179,66 @@ class SelectiveRecompute(Recovery):
         return index[top].tolist()
 
 
+# select:auto — the budget follows the question: the fewest chunk tokens that hold `AUTO_MASS`
+# of its attention to the chunks, no fewer than AUTO_LOW and no more than AUTO_HIGH of them.
+AUTO_MASS = 0.5
+AUTO_LOW = 0.05
+AUTO_HIGH = 0.3
+
+
+@dataclass
+class QueryAwareRecompute(Recovery):
+    """Recompute the chunk tokens the question attends to most (ProphetKV-style; the score is
+    core/prefill/relevance.py's): `ratio` of the chunk tokens, or with `ratio=None` ("auto") the
+    fewest that hold `mass` of the question's attention to the chunks, between `low` and
+    `high` of them. A prompt gets one extra stitched prefill of its plain tokens (the probe)."""
+
+    ratio: float | None = 0.15
+    low: float = AUTO_LOW
+    high: float = AUTO_HIGH
+    mass: float = AUTO_MASS
+
+    def __post_init__(self):
+        if self.ratio is not None and not 0 < self.ratio <= 1:
+            raise ValueError(f"select ratio must be in (0, 1], got {self.ratio:g}")
+        if not 0 <= self.low <= 1 or not 0 < self.high <= 1:
+            raise ValueError(f"select:auto bounds must lie in [0, 1], got {self.low:g}-"
+                             f"{self.high:g}")
+        if self.high < self.low:
+            raise ValueError(f"select:auto cap {self.high:g} is below its floor {self.low:g}")
+        if not 0 < self.mass <= 1:
+            raise ValueError(f"select:auto attention mass must be in (0, 1], got {self.mass:g}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        if self.ratio is not None:
+            return f"select:{self.ratio:g}"
+        bounds = (self.low, self.high, self.mass) != (AUTO_LOW, AUTO_HIGH, AUTO_MASS)
+        return "select:auto" + (f":{self.low:g}-{self.high:g}" if bounds else "")
+
+    def budget(self, scores: torch.Tensor) -> int:
+        """How many of the chunk tokens with these scores to recompute."""
+        n = len(scores)
+        if self.ratio is not None:
+            return math.ceil(self.ratio * n)
+        ordered = scores.sort(descending=True).values.cumsum(0)
+        total = float(ordered[-1]) if n else 0.0
+        needed = int((ordered < self.mass * total).sum()) + 1 if total > 0 else 0
+        return min(max(needed, math.ceil(self.low * n)), math.ceil(self.high * n), n)
+
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
+        spans = _chunk_spans(plan)
+        if not spans:
+            return []
+        index = torch.cat([torch.arange(s.prompt_start, s.prompt_start + s.blob.num_tokens)
+                           for s in spans])
+        if self.ratio is not None and math.ceil(self.ratio * len(index)) >= len(index):
+            return index.tolist()  # everything: no need to ask which
+        scores = question_attention(model, plan, rotator, pool).scores[index]
+        top = scores.topk(self.budget(scores)).indices
+        return index[top].tolist()
+
+
 @dataclass
 class Combined(Recovery):
     parts: Sequence[Recovery] = ()
@@ -179,10 +247,10 @@ class Combined(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return ",".join(p.name for p in self.parts) or "none"
 
-    def select(self, model, plan, rotator) -> list[int]:
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
         out: set[int] = set()
         for p in self.parts:
-            out.update(p.select(model, plan, rotator))
+            out.update(p.select(model, plan, rotator, pool))
         return sorted(out)
 
 
@@ -198,20 +266,20 @@ class SparingExact(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
 
-    def select(self, model, plan, rotator) -> list[int]:
+    def select(self, model, plan, rotator, pool=None) -> list[int]:
         spared = {i for s in plan.spans if self.exact(s.blob)
                   for i in range(s.prompt_start, s.prompt_start + s.blob.num_tokens)}
-        return [i for i in self.inner.select(model, plan, rotator) if i not in spared]
+        return [i for i in self.inner.select(model, plan, rotator, pool) if i not in spared]
 
 
 def without_first(recovery: Recovery | None) -> Recovery | None:
     """`recovery` less its first-chunk part, for a prompt whose first chunk is exact already (a
     lead blob, core/library.py): recomputing it would give the same KV and cost its prefill."""
     if isinstance(recovery, FirstChunkRecompute):
-        return None
+        return NO_RECOVERY
     if isinstance(recovery, Combined):
         rest = [p for p in recovery.parts if not isinstance(p, FirstChunkRecompute)]
-        return None if not rest else rest[0] if len(rest) == 1 else Combined(rest)
+        return NO_RECOVERY if not rest else rest[0] if len(rest) == 1 else Combined(rest)
     return recovery
 
 
@@ -252,33 +320,50 @@ def value_deviation(model, plan: StitchPlan, layer: int = 1) -> torch.Tensor:
 
 
 def parse_recovery(spec: str | Recovery | None) -> Recovery | None:
-    """"none" | "boundary[:k]" | "blend[:ratio[@layer]]" | several joined by "," → a Recovery."""
+    """"none" | "select:ratio" | "select:auto[:low-high]" | "first[:k]" | "boundary[:k]" |
+    "blend[:ratio[@layer]]" | several joined by "," → a Recovery ("none": `NO_RECOVERY`);
+    None stays None ("not given")."""
     if spec is None or isinstance(spec, Recovery):
         return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a recovery is a spec such as 'select:0.15', not {type(spec).__name__}"
+                         f" {spec!r}: use {RECOVERY_HELP}")
     parts: list[Recovery] = []
     for item in (s.strip() for s in str(spec).split(",")):
         if not item or item == "none":
             continue
         name, _, arg = item.partition(":")
+        if name not in ("first", "boundary", "select", "blend"):
+            raise ValueError(f"unknown recovery {item!r}: use {RECOVERY_HELP}")
         try:
             if name == "first":
                 parts.append(FirstChunkRecompute(int(arg) if arg else None))
             elif name == "boundary":
                 parts.append(BoundaryRecompute(int(arg) if arg else 16))
+            elif name == "select":
+                parts.append(_parse_select(arg))
             elif name == "blend":
                 ratio, _, layer = arg.partition("@")
                 parts.append(SelectiveRecompute(float(ratio) if ratio else 0.15,
                                                 int(layer) if layer else 1))
-            else:
-                raise ValueError
         except ValueError as exc:
-            raise ValueError(f"unknown recovery {item!r}: use none, first[:K], boundary:K, "
-                             f"blend:RATIO (e.g. blend:0.15 or blend:0.15@2), or several joined "
-                             f"by ','"
+            raise ValueError(f"bad recovery {item!r}: use {RECOVERY_HELP}"
                              + (f" ({exc})" if str(exc) else "")) from None
     if not parts:
-        return None
+        return NO_RECOVERY
     return parts[0] if len(parts) == 1 else Combined(parts)
 
 
-RECOVERY_HELP = "none | first[:K] | boundary:K | blend:RATIO[@LAYER] | several joined by ','"
+def _parse_select(arg: str) -> QueryAwareRecompute:
+    """"0.15" | "auto" | "auto:LOW-HIGH"."""
+    if arg.startswith("auto"):
+        bounds = arg[len("auto"):]
+        if not bounds:
+            return QueryAwareRecompute(None)
+        low, sep, high = bounds.lstrip(":").partition("-")
+        if not bounds.startswith(":") or not sep:
+            raise ValueError("select:auto takes its bounds as auto:LOW-HIGH, e.g. auto:0.05-0.3")
+        return QueryAwareRecompute(None, low=float(low), high=float(high))
+    if not arg:
+        raise ValueError("select needs a ratio or auto, e.g. select:0.15")
+    return QueryAwareRecompute(float(arg))

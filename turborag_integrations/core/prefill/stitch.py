@@ -24,13 +24,14 @@ one copy of every key/value head per query head, for this forward only.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
 
-from ..attention import sdpa_gqa
+from ..attention import sdpa_gqa, stitched_causal
 from ..kv.blob import Fingerprint, KVBlob
 from ..kv.cache import CachePool, KVCache
 from ..errors import ContextWindowError
@@ -196,26 +197,47 @@ def prefill(model, plan: StitchPlan, rotator: KeyRotator, *, extra_capacity: int
     rewritten one.
     """
     rotator.check_length(plan.next_position + extra_capacity)
-    device = next(model.parameters()).device
     t_r = time.perf_counter()
+    reused = plan.reused_tokens
     if recovery is not None:
-        plan = recovery.apply(model, plan, rotator)
+        plan = recovery.apply(model, plan, rotator, pool=pool)
     t0 = time.perf_counter()
     cache = assemble(model, plan, rotator, len(plan.token_ids) + extra_capacity, pool)
     t1 = time.perf_counter()
+    logits = run_plain(model, plan, cache, all_logits=all_logits)
+    t2 = time.perf_counter()
+    return Prefill(cache=cache, logits=logits, next_position=plan.next_position,
+                   plan=plan, timings={"assembly_s": t1 - t0, "prefill_s": t2 - t1,
+                                       "recovery_s": t0 - t_r,
+                                       "recomputed_tokens": reused - plan.reused_tokens})
+
+
+def run_plain(model, plan: StitchPlan, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+    """Prefill `plan`'s plain tokens in one forward over `cache`, which holds its chunks
+    (`assemble`): the last plain token's logits [vocab], or every plain token's [plain, vocab]."""
+    device = next(model.parameters()).device
     ids = torch.tensor([[plan.token_ids[i] for i in plan.plain_index]], device=device)
     position_ids = torch.tensor([[plan.positions[i] for i in plan.plain_index]], device=device)
     boolean = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
     mask = plain_mask(plan, next(model.parameters()).dtype, boolean)
-    with torch.inference_mode(), sdpa_gqa(device):
+    # The mask is two prefixes per row (attention.stitched_causal): attend block by block over
+    # only what each block sees, instead of every plain token over the whole cache.
+    blocked = stitched_causal(visible_cached(plan), device) if mask is not None \
+        else contextlib.nullcontext()
+    with torch.inference_mode(), sdpa_gqa(device), blocked:
         out = model(input_ids=ids, position_ids=position_ids, **with_cache(cache),
                     attention_mask=None if mask is None else mask.to(device),
                     use_cache=True, logits_to_keep=0 if all_logits else 1)
-    t2 = time.perf_counter()
-    logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()
-    return Prefill(cache=cache, logits=logits, next_position=plan.next_position,
-                   plan=plan, timings={"assembly_s": t1 - t0, "prefill_s": t2 - t1,
-                                       "recovery_s": t0 - t_r})
+    return out.logits[0].float() if all_logits else out.logits[0, -1].float()
+
+
+def visible_cached(plan: StitchPlan) -> torch.Tensor:
+    """For each plain token, how many of the cached entries (in cache order: the spans' tokens,
+    in prompt order) come before it in the prompt."""
+    cached = torch.tensor([i for s in plan.spans
+                           for i in range(s.prompt_start, s.prompt_start + s.blob.num_tokens)],
+                          dtype=torch.long)
+    return torch.searchsorted(cached, torch.tensor(plan.plain_index, dtype=torch.long))
 
 
 @dataclass

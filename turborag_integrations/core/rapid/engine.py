@@ -310,7 +310,8 @@ class RapidEngine:
         prefix, suffix = self.render(self.drafter, "\n\n".join(chosen), question)
         t0 = now()
         segments, _, _ = self.drafter.segments(prefix + suffix, chosen, encode_missing=True)
-        pre = self.drafter.prefill(segments, reserve=reserve)
+        # the drafter's stitch as it is: a draft only has to be likely, the target verifies it
+        pre = self.drafter.prefill(segments, reserve=reserve, recovery="none")
         stats.drafter_prefill_s = now() - t0
         stats.drafter_prompt_tokens = len(pre.plan.token_ids)
         stats.drafter_reused_tokens = pre.plan.reused_tokens
