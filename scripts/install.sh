@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Install turborag-integrations into ./.venv (created if missing), CPU torch first.
-# Usage: bash scripts/install.sh [extra]      e.g. bash scripts/install.sh test
+# Usage: bash scripts/install.sh [EXTRA[,EXTRA...]]   e.g. bash scripts/install.sh server,test
+#        bash scripts/install.sh all          every extra: server, webapp, train, redis, docs, test
 #        bash scripts/install.sh vllm         vLLM (CPU) and the connector into ./.venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS="server webapp train redis docs test all"
+if [ -n "${1:-}" ] && [ "$1" != "vllm" ]; then
+  for extra in ${1//,/ }; do  # an unknown name fails here, before anything is downloaded
+    case " $EXTRAS " in *" $extra "*) ;; *)
+      echo "scripts/install.sh: unknown extra '$extra'; use one or more of: ${EXTRAS// /, } (comma-separated), or vllm" >&2
+      exit 2;;
+    esac
+  done
+fi
 if [ "${1:-}" = "vllm" ]; then
   # vLLM pins its own torch and transformers, so it gets a venv of its own. Its PyPI
   # torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm.config`

@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
-import anyio
-from fastapi import FastAPI, Request
+try:
+    import anyio
+    from fastapi import FastAPI, Request
+except ImportError as exc:  # the default install has no web framework
+    raise SystemExit(f"{exc}: the web app needs FastAPI and uvicorn; install them with "
+                     "`bash scripts/install.sh webapp` (or pip install "
+                     "'turborag-integrations[webapp]')") from None
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
