@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install turborag-integrations into ./.venv (created if missing), CPU torch first.
 # Usage: bash scripts/install.sh [EXTRA[,EXTRA...]]   e.g. bash scripts/install.sh server,test
-#        bash scripts/install.sh all          every extra: server, webapp, train, redis, docs, test
+#        bash scripts/install.sh all          every extra: server, webapp, redis, docs, test
 #        bash scripts/install.sh vllm         vLLM (CPU) and the connector into ./.venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="server webapp train redis docs test all"
+EXTRAS="server webapp redis docs test all"
 if [ -n "${1:-}" ] && [ "$1" != "vllm" ]; then
   for extra in ${1//,/ }; do  # an unknown name fails here, before anything is downloaded
     case " $EXTRAS " in *" $extra "*) ;; *)

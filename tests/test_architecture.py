@@ -28,7 +28,7 @@ GROUPS = {
     "prefill": [f"{CORE}.prefill"],
     "decode": [f"{CORE}.decode"],
     "retrieval": [f"{CORE}.retrieval"],
-    "model": [f"{CORE}.models", f"{CORE}.adapter", f"{CORE}.checkpoint"],
+    "model": [f"{CORE}.models", f"{CORE}.checkpoint"],
     "store": [f"{CORE}.store"],
     "engine": [f"{CORE}.engine", f"{CORE}.library", f"{CORE}.request", f"{CORE}.run",
                f"{CORE}.registry", f"{CORE}.async_iter", f"{CORE}.batching", f"{CORE}.batch_worker",

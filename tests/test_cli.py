@@ -173,7 +173,7 @@ def test_ingest_with_an_encoder_file_keeps_it_in_the_manifest(tmp_path, docs, mo
                     "--encoder", path, "--json")
     assert code == 0, out
     manifest = json.loads((ws / "manifest.json").read_text())
-    assert manifest["encoder"] == str(path) and manifest["adapter"] == "none"
+    assert manifest["encoder"] == str(path)
     code, out = run("ask", "Which ship has a blue hull?", "--store", ws, "--json",
                     "--max-new-tokens", 4)
     assert code == 0 and last_json(out)["reused_fraction"] > 0.5, out

@@ -207,10 +207,10 @@ def test_malformed_lines_are_reported_with_line_numbers(tmp_path):
 
 
 def test_mode_spec():
-    s = ModeSpec.parse("ft:turbo-composite+boundary:8")
-    assert (s.finetuned, s.mode, s.positions, s.recovery) == (True, "turbo", "composite", "boundary:8")
+    s = ModeSpec.parse("turbo-composite+boundary:8")
+    assert (s.mode, s.positions, s.recovery) == ("turbo", "composite", "boundary:8")
     assert ModeSpec.parse("naive").mode == "naive"
-    for bad in ("fast", "naive+boundary:4", "turbo+nope"):
+    for bad in ("fast", "naive+boundary:4", "turbo+nope", "ft:turbo"):
         with pytest.raises(ValueError):
             ModeSpec.parse(bad)
 
@@ -258,23 +258,6 @@ def test_evaluate_tiny_model(tmp_path):
     assert "| turbo+boundary:4 |" in (tmp_path / "out" / "table.md").read_text()
     assert (tmp_path / "out" / "plot.png").exists() or "matplotlib" in notes[0]
     assert markdown_table(res).count("\n") == 2 + len(modes)
-
-
-def test_finetuned_modes_agree_with_their_own_naive_reply(tmp_path):
-    """ft: modes are compared with ft:naive, not with the base model's reply."""
-    base = TurboRAGEngine(tiny_model("llama", seed=0), store=tmp_path / "kv")
-    other = TurboRAGEngine(tiny_model("llama", seed=9), store=tmp_path / "kv-ft")
-    p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"id": "a", "question": "Who?", "answers": ["Tamsin"],
-                             "chunks": ["Tamsin did.", "Orrin not."]}))
-    res = evaluate(base, load_items(p).items, ["ft:turbo+boundary:100000", "naive", "ft:naive"],
-                   max_new_tokens=6, ft_engine=other)
-    assert res["modes"]["ft:naive"]["agreement"] is None  # the references
-    assert res["modes"]["naive"]["agreement"] is None
-    # recomputing every chunk token is a full prefill: the same reply as ft:naive
-    assert res["modes"]["ft:turbo+boundary:100000"]["agreement"] == 100
-    assert [r["mode"] for r in res["answers"] if "agrees_with_naive" in r] == [
-        "ft:turbo+boundary:100000"]
 
 
 def test_an_item_skipped_in_one_mode_is_skipped_in_every_mode(tmp_path, monkeypatch):
@@ -476,8 +459,8 @@ def test_correct_agreement_and_same_reply(tmp_path, monkeypatch):
 
 
 def test_eval_command_options(tmp_path, monkeypatch):
-    """The query-time model is unmodified by default (--adapter none), --encoder reaches the
-    engine ('none' as None), and --no-token-agreement reaches evaluate."""
+    """--encoder reaches the engine ('none' as None), and --no-token-agreement reaches
+    evaluate."""
     from typer.testing import CliRunner
 
     from turborag_integrations.cli import app
@@ -489,7 +472,7 @@ def test_eval_command_options(tmp_path, monkeypatch):
     def engine(model=None, **kwargs):
         made.append(dict(kwargs))
         kwargs.pop("encoder", None)  # recorded; the tiny model has no encoder of its own
-        return real(tiny_model("llama"), **{**kwargs, "adapter": None})
+        return real(tiny_model("llama"), **kwargs)
 
     monkeypatch.setattr(engine_mod, "TurboRAGEngine", engine)
     p = tmp_path / "d.jsonl"
@@ -504,7 +487,7 @@ def test_eval_command_options(tmp_path, monkeypatch):
         result = runner.invoke(app, ["eval", str(p), "--modes", "naive,turbo", "--out", str(out),
                                      "--max-new-tokens", "2", *args])
         assert result.exit_code == 0, result.output
-        assert made[-1]["adapter"] == "none" and made[-1]["encoder"] == encoder
+        assert made[-1]["encoder"] == encoder
         summary = json.loads((out / "results.json").read_text())
         assert summary["encoder"] == encoder
         assert (summary["modes"]["turbo"]["reply_kl"] is not None) == agreement
@@ -542,7 +525,7 @@ def test_system_instruction_reaches_every_prompt(tmp_path, monkeypatch):
 
     real = engine_mod.TurboRAGEngine
     monkeypatch.setattr(engine_mod, "TurboRAGEngine", lambda model=None, **kw: real(
-        tiny_model("llama"), **{**kw, "adapter": None, "encoder": None}))
+        tiny_model("llama"), **{**kw, "encoder": None}))
     for args, expected in (([], SYSTEM), (["--system", refuse], refuse)):
         out = tmp_path / f"out{len(args)}"
         result = CliRunner().invoke(app, ["eval", str(p), "--modes", "naive,turbo", "--out",
@@ -570,7 +553,7 @@ def test_reference_modes_bound_the_agreement(tmp_path):
     assert oracle["reply_kl"] < 1e-6 and oracle["reused_fraction"] > 0.5
     assert rotated["agreement"] is not None and rotated["reply_kl"] is None
     assert res["modes"]["naive"]["agreement"] is None
-    for bad in ("naive-rotated+boundary:4", "ft:turbo-oracle", "turbo-oracle#none"):
+    for bad in ("naive-rotated+boundary:4", "turbo-oracle~8", "turbo-oracle#none"):
         with pytest.raises(ValueError, match="reference"):
             ModeSpec.parse(bad)
 

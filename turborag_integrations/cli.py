@@ -21,8 +21,6 @@ KeysFileOpt = typer.Option(..., "--keys", help="the keys file (JSON; made by the
 SAMPLE_DOCS = Path(__file__).parent / "data" / "sample_docs"
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse?"
 
-AdapterOpt = typer.Option("none", help="LoRA adapter merged into the weights at load (changes "
-                          "the model): none | default (shipped for SmolLM2) | a file")
 EncoderOpt = typer.Option("default", help="learned chunk encoding, used only when chunks are "
                           "encoded: default (shipped for the bundled model) | none | a file")
 ContextOpt = typer.Option(None, "--context-tokens", min=0,
@@ -78,7 +76,6 @@ def demo(
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
-    adapter: str = AdapterOpt,
     encoder: str = EncoderOpt,
     context_tokens: Optional[int] = ContextOpt,
     chroma_url: Optional[str] = ChromaUrlOpt,
@@ -92,7 +89,7 @@ def demo(
     # chunk blobs stay in the KV store, so a rerun reuses them.
     try:
         with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
-                                 adapter=adapter, encoder=encoder,
+                                 encoder=encoder,
                                  context_tokens=context_tokens, chroma_url=chroma_url) as ws:
             _ingest(ws, [docs])
             ws.engine.warmup()  # so that neither timed path pays for first-call set-up
@@ -143,9 +140,6 @@ def ingest(
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     chunk_tokens: int = typer.Option(512, help="chunk size in tokens (first ingestion only)"),
-    adapter: Optional[str] = typer.Option(None, help="LoRA adapter merged into the weights: none "
-                                          "| default (shipped for SmolLM2) | a file (first "
-                                          "ingestion; default none)"),
     encoder: Optional[str] = typer.Option(None, help="learned chunk encoding: default (shipped "
                                           "for the bundled model) | none | a file (first "
                                           "ingestion; default default)"),
@@ -158,7 +152,7 @@ def ingest(
 
     from .core.errors import TurboRAGError
 
-    ws = _workspace(store, model, chunk_tokens=chunk_tokens, adapter=adapter, encoder=encoder,
+    ws = _workspace(store, model, chunk_tokens=chunk_tokens, encoder=encoder,
                     chroma_url=chroma_url, context_tokens=context_tokens)
     try:
         counts = _ingest(ws, paths, quiet=json_out)
@@ -289,7 +283,6 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
                              "interface; set an API key then)"),
     port: int = typer.Option(8000),
-    adapter: str = AdapterOpt,
     encoder: str = EncoderOpt,
     mode: str = typer.Option("turbo", help="turbo: reuse stored chunk KV caches | naive: prefill "
                              "every prompt whole (the baseline to compare TTFT with)"),
@@ -359,7 +352,7 @@ def serve(
         _fail(f"{exc}: the server needs FastAPI and uvicorn; install them with `bash "
               "scripts/install.sh server` (or pip install 'turborag-integrations[server]')")
     try:
-        run_server(model=model, store=store, host=host, port=port, adapter=adapter,
+        run_server(model=model, store=store, host=host, port=port,
                    encoder=encoder, mode=mode, recovery=recovery,
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, keys=keys, threads=threads,
@@ -562,8 +555,8 @@ def _register_accuracy_commands() -> None:
 
     app.command("eval", help="Evaluate accuracy and TTFT of naive, turbo and recovery modes on "
                 "a JSONL set (default: the bundled dev test split).")(eval_command)
-    app.command("finetune", help="Fine-tune a model on the independent-attention pattern "
-                "(full or LoRA) and save a folder the engine loads.")(finetune_command)
+    app.command("finetune", help="Train a learned chunk encoder (--encoder) by self-distillation "
+                "from the full prefill; the model's weights never change.")(finetune_command)
 
 
 _register_accuracy_commands()

@@ -87,14 +87,9 @@ class Workspace:
 
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
-                 embedding: str | None = None, adapter: str | None = None,
-                 encoder: str | None = None, chroma_url: str | None = None,
-                 context_tokens: int | None = None):
-        """adapter: "none" (the model as loaded; the default for a new workspace), "default"
-        (the adapter shipped for a bundled model, merged into the weights) or a file; None keeps
-        what the workspace was built with.
-
-        encoder: the learned chunk encoding (core/prefill/encoding.py): "default" (the file
+                 embedding: str | None = None, encoder: str | None = None,
+                 chroma_url: str | None = None, context_tokens: int | None = None):
+        """encoder: the learned chunk encoding (core/prefill/encoding.py): "default" (the file
         shipped for a bundled model; the default for a new workspace), "none", or a file; None
         keeps what the workspace was built with.
 
@@ -119,7 +114,6 @@ class Workspace:
         self.model_name = model or (manifest or {}).get("model") or DEFAULT_MODEL
         self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
         self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
-        self.adapter = adapter or (manifest or {}).get("adapter") or "none"
         self.encoder = encoder or (manifest or {}).get("encoder") or "default"
         # a manifest from before context encoding has no entry: its blobs were made without
         self.context_tokens = context_tokens if context_tokens is not None else (
@@ -139,7 +133,7 @@ class Workspace:
         Its KV blobs go to `kv_dir` (default: the engines' shared store, ~/.cache/turborag/kv
         or $TURBORAG_STORE) and outlive it, so that a rerun over the same documents reuses
         them rather than encoding them again. `options` are the constructor's (model,
-        chunk_tokens, adapter, ...)."""
+        chunk_tokens, encoder, ...)."""
         # Chroma may still hold its files open at exit (Windows refuses to delete those).
         with tempfile.TemporaryDirectory(prefix="turborag-workspace-",
                                          ignore_cleanup_errors=True) as folder:
@@ -155,7 +149,7 @@ class Workspace:
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
             self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
-                                          adapter=self.adapter, encoder=self.encoder,
+                                          encoder=self.encoder,
                                           context_tokens=self.context_tokens)
         if not self._head_added:
             # the first source of a question asked without history follows this head: its
@@ -211,7 +205,7 @@ class Workspace:
     def _write_manifest(self) -> None:
         data = {"model": self.model_name, "fingerprint": self.engine.fingerprint.id,
                 "chunk_tokens": self.chunk_tokens, "embedding": self.embedding_name,
-                "adapter": self.adapter, "encoder": self.encoder, "chroma_url": self.chroma_url,
+                "encoder": self.encoder, "chroma_url": self.chroma_url,
                 "context_tokens": self.context_tokens}
         tmp = self.root / "manifest.json.tmp"
         tmp.write_text(json.dumps(data, indent=2))

@@ -49,23 +49,12 @@ def test_single_chunk_turbo_equals_full_prefill_on_real_model(smollm2, tmp_path)
 
 
 def test_bundled_model_is_unmodified_by_default(smollm2, tmp_path):
-    """The query-time model is the weights as loaded: an adapter merges only when asked for."""
-    from turborag_integrations.core.adapter import bundled_adapter
-    from turborag_integrations.core.models import load_model
+    """The query-time model is the weights as loaded: the engine changes none of them."""
     from turborag_integrations.core.kv.blob import weights_digest
 
     digest = weights_digest(smollm2.model)
     engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")
-    assert engine.adapter is None and engine.fingerprint.weights == digest
-    shipped = bundled_adapter(smollm2.name)
-    if shipped is None:
-        pytest.skip("no adapter shipped for the bundled model in this checkout")
-    adapted = TurboRAGEngine(load_model(smollm2.name, progress=False), store=tmp_path / "kv",
-                             adapter="default")
-    assert adapted.adapter == shipped
-    assert adapted.fingerprint.weights != digest
-    assert adapted.learned is None  # the shipped encoder fits the unmerged weights only
-    assert engine.chunk_key(LIGHTHOUSE) != adapted.chunk_key(LIGHTHOUSE)
+    assert engine.fingerprint.weights == digest == weights_digest(engine.model)
 
 
 def test_bundled_encoder_is_loaded_by_default_and_never_changes_a_full_prefill(smollm2, tmp_path):

@@ -16,7 +16,7 @@ from turborag_integrations.core.settings import DEFAULT_RECOVERY
 from turborag_integrations.server import app as server_app
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
-            "adapter": "none", "encoder": "default", "mode": "turbo", "recovery": DEFAULT_RECOVERY,
+            "encoder": "default", "mode": "turbo", "recovery": DEFAULT_RECOVERY,
             "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
             "question_last": False, "context_tokens": None, "prompts": []}
@@ -80,8 +80,8 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, adapter, encoder, recovery, question_last):
-        made.append((model, store, adapter, encoder, recovery, question_last,
+    def load(model, *, store, encoder, recovery, question_last):
+        made.append((model, store, encoder, recovery, question_last,
                      threading.current_thread()))
         return engine
 
@@ -96,11 +96,10 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
                          question_last=True, prompts=["Read:\n{context}\nQ: {question}\nA:"])
     finally:
         torch.set_num_threads(before)
-    (model, store, adapter, encoder, recovery, question_last, loader), = made
-    # the model as loaded (no adapter merged), chunks encoded with the shipped encoder, the
-    # default recovery
-    assert (model, store, adapter, encoder, recovery, question_last) == (
-        "m", "kv", None, "default", DEFAULT_RECOVERY, True)
+    (model, store, encoder, recovery, question_last, loader), = made
+    # chunks encoded with the shipped encoder, the default recovery
+    assert (model, store, encoder, recovery, question_last) == (
+        "m", "kv", "default", DEFAULT_RECOVERY, True)
     assert loader is not threading.current_thread() and not loader.is_alive()
     # warmed up on the scheduler's thread, which runs torch with the threads asked for
     assert ran[0] == ("turborag-batch", 1)

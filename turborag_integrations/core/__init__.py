@@ -2,7 +2,7 @@
 
 - settings, errors: what a caller can choose, and what can go wrong
 - attention: per-call attention switches (split verification attention, CPU masked GQA)
-- models, adapter: loading a model (and merging a LoRA adapter) with its fingerprint
+- models: loading a model with its fingerprint
 - prefill/: chunk blobs, the KV cache, stitching a prompt from blobs (rope, blob, cache, stitch…)
 - decode/: producing tokens after a prefill (sampling math, fast steps, drafting, the loop)
 - retrieval/: chunking, embeddings, cosine search (for RAPID's own retrieval and the CLI)

@@ -9,12 +9,10 @@
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .adapter import apply_adapter, bundled_adapter
 from .decode.loop import decode_loop, eos_token_ids, now
 from .decode.selfspec import DraftStats
 from .kv.blob import KVBlob, fingerprint_model
@@ -38,8 +36,6 @@ from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
 from .store import KVStore
 from .store.namespaces import RecentlyUsed
 
-log = logging.getLogger(__name__)
-
 __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats",
            "GenerationStream", "MODES", "POSITION_MODES"]
 
@@ -55,7 +51,7 @@ class TurboRAGEngine(ChunkLibrary):
                  positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
-                 adapter: str | Path | None = None, question_last: bool = False,
+                 question_last: bool = False,
                  encoder: "str | Path | LearnedEncoding | None" = "default",
                  namespace: str = "", separators: bool = True,
                  context_tokens: int = DEFAULT_CONTEXT_TOKENS,
@@ -70,13 +66,7 @@ class TurboRAGEngine(ChunkLibrary):
         training-free encoding. The query-time model stays the weights as loaded, so full
         prefills answer exactly as the unmodified model does. The encoder is part of every
         chunk blob's fingerprint; a file made for other weights, another tokenizer or another
-        anchor is refused (EncoderMismatch) before any blob is written. With an adapter merged,
-        "default" means None (the shipped file fits the unmerged weights only).
-
-        adapter: a LoRA adapter file (core/adapter.py) merged into the weights at load, which
-        changes the model itself (every answer, full prefill included); None (the default) uses
-        the weights as they are, "default" merges the one shipped for SmolLM2. The weights
-        digest, and so every blob's fingerprint, follows the merge.
+        anchor is refused (EncoderMismatch) before any blob is written.
 
         namespace: the store namespace (a tenant) this engine ingests into and reads from;
         "" (the default) is the single namespace of a store without tenants. One engine serves
@@ -114,13 +104,6 @@ class TurboRAGEngine(ChunkLibrary):
             model, dtype=dtype, device=device, progress=progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        if adapter == "default":
-            adapter = bundled_adapter(self.loaded.name)
-        elif adapter == "none":
-            adapter = None
-        self.adapter = Path(adapter) if adapter is not None else None
-        if self.adapter is not None:
-            apply_adapter(self.model, self.adapter)
         self.positions = positions
         self.question_last = bool(question_last)
         self.stitch_separators = bool(separators)
@@ -133,12 +116,6 @@ class TurboRAGEngine(ChunkLibrary):
         self.anchor_text = anchor_text(self.anchor, self.tokenizer)
         # Chunks are encoded after the anchor; the prompt's own head (the text before the first
         # chunk) starts the sequence, so it is encoded plain, at 0..n−1, which is exact.
-        if encoder == "default" and self.adapter is not None:
-            # the shipped encoder was trained for the weights as shipped; merged weights are
-            # another model, which only an encoder trained for it fits
-            log.info("adapter %s merged: chunks are encoded training-free (encoder=None)",
-                     self.adapter.name)
-            encoder = None
         self.learned = resolve_encoder(encoder, self.loaded.name, model_fp.weights)
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor)

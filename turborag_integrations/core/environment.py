@@ -87,8 +87,8 @@ def vllm_python() -> Path | None:
 
 
 def bundled_file(folder: str, name: str | None) -> Path | None:
-    """A file the package ships under `turborag_integrations/data/<folder>/` (an encoder, an
-    adapter), or None when `name` is None or the file is not installed."""
+    """A file the package ships under `turborag_integrations/data/<folder>/` (a chunk
+    encoder), or None when `name` is None or the file is not installed."""
     if name is None:
         return None
     from importlib import resources

@@ -29,9 +29,5 @@ class BlobCorrupted(TurboRAGError):
     """A stored blob failed its checksum or could not be parsed."""
 
 
-class AdapterMismatch(ModelError):
-    """An adapter file that was not made for this model's weights or layout."""
-
-
 class EncoderMismatch(ModelError):
     """A learned chunk-encoder file that was not made for this model, tokenizer or anchor."""

@@ -1,4 +1,4 @@
-"""Writing a safetensors file of small tensors (an adapter, a chunk encoder) atomically.
+"""Writing a safetensors file of small tensors (a chunk encoder) atomically.
 
 Readers see the old file or the complete new one, never part of either; the file is readable by
 everyone, as a shared artefact should be (mkstemp makes it private).

@@ -2,7 +2,7 @@
 
     app.command("eval")(eval_command)
 
-`fail` and the bundled data paths serve `turborag finetune` (training/cli.py) too.
+`fail` and the bundled data paths serve `turborag finetune --encoder` (training/cli.py) too.
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ def eval_command(
                                           "long-document modes a long-document set (default: "
                                           "the bundled longdoc test split)"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
-    adapter: str = typer.Option("none", help="LoRA adapter merged into the query-time model at "
-                                "load: 'none' (default: the user's unmodified model — a merged "
-                                "adapter changes every answer, the full prefill's included), "
-                                "'default' (the one shipped for the bundled model), or a file"),
     encoder: str = typer.Option("default", help="chunk encoder the blobs are made with: "
                                 "'default' (the one shipped for the model), 'none' (the "
                                 "query-time model itself), or a path"),
@@ -48,13 +44,11 @@ def eval_command(
                           "it"),
     modes: Optional[str] = typer.Option(
         None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
-                   "(first, boundary:K, blend:R), ft:MODE; a turbo mode may add @ANCHOR, ~N (context "
+                   "(first, boundary:K, blend:R); a turbo mode may add @ANCHOR, ~N (context "
                    "tokens) and #ENCODER; or, on a long-document set, long-context, "
                    "rag-only, rapid:η, rapid (η chosen on --dev). Default: "
                    "naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15, or "
                    "long-context,rag-only,rapid:0,rapid on a long-document set"),
-    finetuned: Optional[Path] = typer.Option(None, help="fine-tuned model folder: adds ft:naive "
-                                             "and ft:turbo unless --modes names ft: modes"),
     out: Path = typer.Option(Path("eval-out"), help="folder for results.json, answers.jsonl, "
                              "table.md, plot.png"),
     max_new_tokens: int = typer.Option(24),
@@ -82,7 +76,7 @@ def eval_command(
                                           "(same vocabulary as --model); default: the model "
                                           "drafts for itself"),
 ):
-    """Accuracy and TTFT of TurboRAG modes (and recovery / fine-tuned models) on a RAG set;
+    """Accuracy and TTFT of TurboRAG modes (recovery and chunk encoders included) on a RAG set;
     accuracy and decode tokens/s of long-context, RAG-only and RAPID on long documents."""
     from .longdoc import is_long_document_set
     from .rapid_eval import DEFAULT_LONG_MODES, is_long_mode
@@ -100,7 +94,7 @@ def eval_command(
     if not mode_list and is_long_document_set(data):
         mode_list = long_modes = list(DEFAULT_LONG_MODES)
     if long_modes:
-        return _eval_long(data, long_modes, model=model, adapter=adapter, drafter=drafter,
+        return _eval_long(data, long_modes, model=model, drafter=drafter,
                           dev=dev, dev_limit=dev_limit, eta_grid=eta_grid, gamma=gamma, out=out,
                           max_new_tokens=max_new_tokens, limit=limit, table=table,
                           json_out=json_out)
@@ -122,42 +116,29 @@ def eval_command(
                     err=True)
     if not report.items:
         fail("no valid items to evaluate")
-    ft_doc = False
-    if finetuned is not None:
-        if not any(m.startswith("ft:") for m in mode_list):
-            mode_list += ["ft:naive", "ft:turbo"]
-        meta = finetuned / "turborag_finetune.json"
-        if meta.exists():
-            info = json.loads(meta.read_text())
-            ft_doc = bool(info.get("doc_tokens"))
     try:
-        with temporary_store() as base_kv, temporary_store() as ft_kv:
-            engine = TurboRAGEngine(model, store=base_kv, progress=False, adapter=adapter,
+        with temporary_store() as kv:
+            engine = TurboRAGEngine(model, store=kv, progress=False,
                                     encoder=_encoder_arg(encoder),
                                     **({} if context_tokens is None
                                        else {"context_tokens": context_tokens}))
-            ft_engine = TurboRAGEngine(str(finetuned), store=ft_kv, progress=False, adapter=None) \
-                if finetuned is not None else None
 
             def progress(mode, done, total):
                 if done == total or done % 10 == 0:
                     typer.echo(f"  {mode}: {done}/{total}", err=True)
 
             results = evaluate(engine, report.items, mode_list, max_new_tokens=max_new_tokens,
-                               ft_engine=ft_engine, ft_doc_tokens=ft_doc, progress=progress,
-                               limit=limit, token_agreement=token_agreement, system=system)
+                               progress=progress, limit=limit, token_agreement=token_agreement,
+                               system=system)
     except (TurboRAGError, ValueError) as exc:
         fail(str(exc))
     results["malformed_lines"] = [{"line": n, "reason": r} for n, r in report.errors]
     results["data"] = str(data)
     results["model"] = model or DEFAULT_MODEL
-    results["adapter"] = str(engine.adapter) if engine.adapter else None
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
     results["context_tokens"] = engine.encoder.context_tokens
     results["system"] = system
-    if finetuned is not None:
-        results["finetuned"] = str(finetuned)
     for s in results["skipped"]:
         typer.secho(f"skipped {s['id']}: {s['reason']}", fg=typer.colors.YELLOW, err=True)
     for note in write_results(results, out, table=table, png=plot):
@@ -175,9 +156,8 @@ def _encoder_arg(value: str) -> str | None:
     return None if value == "none" else value
 
 
-def _eval_long(data: Path, modes: list[str], *, model, adapter, drafter, dev: Path, dev_limit,
-               eta_grid: str,
-               gamma: int, out: Path, max_new_tokens: int, limit, table: bool,
+def _eval_long(data: Path, modes: list[str], *, model, drafter, dev: Path, dev_limit,
+               eta_grid: str, gamma: int, out: Path, max_new_tokens: int, limit, table: bool,
                json_out: bool) -> None:
     """`turborag eval` on a long-document set: long-context, rag-only and RAPID modes."""
     from ..core.engine import TurboRAGEngine
@@ -210,8 +190,8 @@ def _eval_long(data: Path, modes: list[str], *, model, adapter, drafter, dev: Pa
         dev_docs = dev_docs[:dev_limit] if dev_limit else dev_docs
     try:
         with temporary_store() as kv:
-            target = TurboRAGEngine(model, store=kv, progress=False, adapter=adapter)
-            draft = (TurboRAGEngine(drafter, store=target.store, progress=False, adapter=adapter)
+            target = TurboRAGEngine(model, store=kv, progress=False)
+            draft = (TurboRAGEngine(drafter, store=target.store, progress=False)
                      if drafter else None)
             rapid = make_rapid(target, draft, gamma=gamma)
             results = evaluate_long(rapid, docs, modes, dev_docs=dev_docs, eta_grid=grid,
@@ -221,7 +201,6 @@ def _eval_long(data: Path, modes: list[str], *, model, adapter, drafter, dev: Pa
         fail(str(exc))
     results.update(data=str(data), dev=dict(results["dev"] or {}, data=str(dev))
                    if results["dev"] else None, model=model or DEFAULT_MODEL, drafter=drafter,
-                   adapter=str(target.adapter) if target.adapter else None,
                    malformed_lines=[{"line": n, "reason": r} for n, r in errors])
     for s in results["skipped"]:
         typer.secho(f"skipped {s['doc_id']}: {s['reason']}", fg=typer.colors.YELLOW, err=True)

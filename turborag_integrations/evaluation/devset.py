@@ -11,7 +11,7 @@ town of Velkaro founded?"); a two-hop question chains two ("Who is the mayor of 
 Orbis Kilnworks has its headquarters?"), so its two gold chunks must be combined. Distractors are
 paragraphs about other entities of the same kinds, with the same kinds of facts.
 
-Train and test items come from different worlds (different seeds), so fine-tuning on the train
+Train and test items come from different worlds (different seeds), so training on the train
 split cannot memorise test facts.
 
     python -m turborag_integrations.evaluation.devset --out turborag_integrations/data/devset

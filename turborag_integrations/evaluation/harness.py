@@ -10,9 +10,8 @@ ignored. For each mode every item is answered greedily and scored:
   an unanswerable one when its reply refuses (`metrics.is_refusal`)
 - contains: a normalised answer occurs in the normalised reply (whole words), answerable items
 - em / f1: exact match and token F1 against the best answer (SQuAD normalisation)
-- agreement with the full prefill, against the `naive` reply of the same model on that item
-  (`ft:naive` for the fine-tuned modes); None for `naive` and `ft:naive` themselves, the
-  references, and absent without a naive mode in the run:
+- agreement with the full prefill, against the `naive` reply on that item; None for `naive`
+  itself, the reference, and absent without a naive mode in the run:
   - agreement: the share of items whose reply equals (normalised) the naive reply (per row
     "agrees_with_naive")
   - correct_agreement: the share whose `correct` equals the naive reply's (row "correct_agrees")
@@ -30,10 +29,9 @@ either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), wit
 other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
 prompt's own head, known at ingestion here), with a chunk encoder other than the engine's
 ("turbo#none": training-free; "turbo#FILE": that learned encoder file; one full-prefill
-reference serves them all, since an encoder never changes the model), and every mode of a
-fine-tuned model, prefixed "ft:" ("ft:turbo", "ft:naive"). Two references say what agreement
-can be: "naive-rotated" (a full prefill of the same chunks in another order, the first moved
-last: how much the model's reply moves with an order no retriever guarantees) and
+reference serves them all, since an encoder never changes the model). Two references say what
+agreement can be: "naive-rotated" (a full prefill of the same chunks in another order, the first
+moved last: how much the model's reply moves with an order no retriever guarantees) and
 "turbo-oracle" (the stitched path fed slices of the full prefill's own cache: the reply of
 stitching itself, with exact keys and values; 100% agreement unless the stitched prompt differs
 from the full one).
@@ -79,7 +77,6 @@ class Item:
     unanswerable: bool = False
     template: str | None = None  # training mixes: the prompt template (training/templates.py)
     # each chunk's document text before it, for chunks out of their document's order
-    # (evaluation) or from several documents (training/docmix.py)
     contexts: list[str] | None = None
 
 
@@ -126,7 +123,6 @@ def _item(d: dict, n: int) -> Item:
 @dataclass(frozen=True)
 class ModeSpec:
     name: str
-    finetuned: bool
     mode: str  # naive | turbo
     positions: str  # reordered | composite
     recovery: str | None
@@ -145,9 +141,6 @@ class ModeSpec:
     @classmethod
     def parse(cls, name: str) -> "ModeSpec":
         body = name.strip()
-        ft = body.startswith("ft:")
-        if ft:
-            body = body[3:]
         body, _, encoder = body.partition("#")
         if encoder and encoder != "none" and not Path(encoder).is_file():
             raise ValueError(f"mode {name!r}: the encoder after '#' must be 'none' or an "
@@ -161,19 +154,19 @@ class ModeSpec:
             raise ValueError(f"unknown anchor in mode {name!r}: use one of {ANCHOR_MODES}")
         base, _, rec = body.partition("+")
         if base in REFERENCE_MODES:
-            if rec or anchor or encoder or ft or tilde:
+            if rec or anchor or encoder or tilde:
                 raise ValueError(f"mode {name!r}: the reference modes {REFERENCE_MODES} take "
-                                 "no recovery, anchor, encoder or 'ft:'")
-            return cls(base, False, REFERENCE_MODES[base], "reordered", None,
+                                 "no recovery, anchor, encoder or context")
+            return cls(base, REFERENCE_MODES[base], "reordered", None,
                        reference=base.partition("-")[2])
         if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
             raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
-                             "optionally '+RECOVERY' (turbo only) and an 'ft:' prefix")
+                             "optionally '+RECOVERY' (turbo only)")
         if base == "naive" and (rec or anchor or encoder or tilde):
             raise ValueError(f"mode {name!r}: recovery, anchors, contexts and encoders apply "
                              "to turbo modes only (a full prefill uses no blob)")
         parse_recovery(rec or None)  # validate early
-        return cls(name.strip(), ft, "naive" if base == "naive" else "turbo",
+        return cls(name.strip(), "naive" if base == "naive" else "turbo",
                    "composite" if base == "turbo-composite" else "reordered", rec or None,
                    anchor or None, encoder or None, int(context) if tilde else None)
 
@@ -218,17 +211,15 @@ def _sibling(engine, anchor: str | None, encoder: str | None, head: str,
         return engine
     from ..core.engine import TurboRAGEngine
 
-    # adapter=None: the model is already what the parent engine made it (an adapter merges into
-    # the weights in place, so a sibling must never merge one again). Without an encoder named,
-    # a sibling keeps the parent's learned encoder where it was trained after that anchor, and
-    # encodes training-free (encoder=None) after any other.
+    # Without an encoder named, a sibling keeps the parent's learned encoder where it was
+    # trained after that anchor, and encodes training-free (encoder=None) after any other.
     if encoder is not None:
         chosen = None if encoder == "none" else encoder
     else:
         learned = getattr(engine, "learned", None)
         chosen = learned if learned is not None and learned.anchor == spec else None
     return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec, adapter=None, encoder=chosen,
+                          progress=False, anchor=spec, encoder=chosen,
                           context_tokens=context)
 
 
@@ -237,7 +228,6 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tokens: int = 24,
-             ft_engine=None, ft_doc_tokens: bool = False,
              progress: Callable[[str, int, int], None] | None = None,
              limit: int | None = None, token_agreement: bool = True,
              system: str = SYSTEM) -> dict:
@@ -252,80 +242,71 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"a mode is named twice in {names}")
-    # the naive modes first, so every other mode can be compared with its own model's naive reply
+    # the naive mode first, so every other mode can be compared with its reply
     specs.sort(key=lambda s: not s.is_full_prefill)
-    if any(s.finetuned for s in specs) and ft_engine is None:
-        raise ValueError("ft: modes need a fine-tuned model (ft_engine)")
     items = list(items)[:limit] if limit else list(items)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop=("\n",))
-    # Build prompts and check the window once per engine.
-    prepared: dict[bool, dict[str, tuple[str, list[str]]]] = {}
-    engines: dict[ModeSpec, object] = {}
+    # Build prompts and check the window once.
+    prepared: dict[str, tuple[str, list[str]]] = {}
     skipped: dict[str, str] = {}
-    for ft in sorted({s.finetuned for s in specs}):
-        eng = ft_engine if ft else engine
-        doc = ft_doc_tokens if ft else False
-        table = {}
-        for it in items:
-            prompt, texts = build_prompt(eng.tokenizer, it.question, it.chunks, doc_tokens=doc,
-                                         system=system)
-            n = len(eng.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            if n + max_new_tokens > eng.context_window:
-                skipped[it.id] = (f"prompt of {n} tokens + {max_new_tokens} to generate exceeds "
-                                  f"the context window of {eng.context_window}")
-                continue
-            table[it.id] = (prompt, texts)
-        prepared[ft] = table
-        # each chunk after the text before it in its item's document: the item's own
-        # `contexts` where it gives them (its chunks in another order than their document's),
-        # else the item's chunks are one document's, in order: the chunks before it, nearest
-        # first. A chunk in several items keeps its first context, as ingestion keeps the first
-        # blob of a text.
-        given = {it.id: it.contexts for it in items if it.contexts is not None}
-        before: dict[str, list[str]] = {}
-        for item_id, (_, texts) in table.items():
-            own = given.get(item_id)
-            if own is not None and len(own) != len(texts):
-                raise ValueError(f"item {item_id}: {len(own)} contexts for {len(texts)} chunks")
-            for i, text in enumerate(texts):
-                if own is not None:
-                    pieces = [own[i]] if own[i] else []
-                else:
-                    pieces = texts[i - 1::-1] if i else []
-                before.setdefault(text, pieces)
-        chunks = sorted(before)
-        head = prompt_head(eng.tokenizer, system)
-        siblings: dict = {}
-        for spec in specs:
-            if spec.finetuned == ft:
-                key = (spec.anchor, spec.encoder, spec.context)
-                engines[spec] = siblings.get(key) or siblings.setdefault(
-                    key, _sibling(eng, spec.anchor, spec.encoder, head, spec.context))
-        served: dict[int, tuple] = {}  # id(engine) -> (engine, the turbo modes on its blobs)
-        for s in specs:
-            if s.finetuned == ft and s.mode == "turbo":
-                served.setdefault(id(engines[s]), (engines[s], []))[1].append(s.name)
-        for e, names in served.values():
-            if chunks:  # ingestion: not part of TTFT; minutes for a larger model
-                label = f"encoding chunks for {', '.join(names)}"
-                tokens = e.encoder.context_tokens
-                e.encode_chunks(chunks, contexts=[text_before(before[c], c, tokens)
-                                                  for c in chunks], progress=(
-                    (lambda done, total, label=label: progress(label, done, total))
-                    if progress else None))
-        eng.warmup()
+    for it in items:
+        prompt, texts = build_prompt(engine.tokenizer, it.question, it.chunks, system=system)
+        n = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if n + max_new_tokens > engine.context_window:
+            skipped[it.id] = (f"prompt of {n} tokens + {max_new_tokens} to generate exceeds "
+                              f"the context window of {engine.context_window}")
+            continue
+        prepared[it.id] = (prompt, texts)
+    # each chunk after the text before it in its item's document: the item's own
+    # `contexts` where it gives them (its chunks in another order than their document's),
+    # else the item's chunks are one document's, in order: the chunks before it, nearest
+    # first. A chunk in several items keeps its first context, as ingestion keeps the first
+    # blob of a text.
+    given = {it.id: it.contexts for it in items if it.contexts is not None}
+    before: dict[str, list[str]] = {}
+    for item_id, (_, texts) in prepared.items():
+        own = given.get(item_id)
+        if own is not None and len(own) != len(texts):
+            raise ValueError(f"item {item_id}: {len(own)} contexts for {len(texts)} chunks")
+        for i, text in enumerate(texts):
+            if own is not None:
+                pieces = [own[i]] if own[i] else []
+            else:
+                pieces = texts[i - 1::-1] if i else []
+            before.setdefault(text, pieces)
+    chunks = sorted(before)
+    head = prompt_head(engine.tokenizer, system)
+    engines: dict[ModeSpec, object] = {}
+    siblings: dict = {}
+    for spec in specs:
+        key = (spec.anchor, spec.encoder, spec.context)
+        engines[spec] = siblings.get(key) or siblings.setdefault(
+            key, _sibling(engine, spec.anchor, spec.encoder, head, spec.context))
+    served: dict[int, tuple] = {}  # id(engine) -> (engine, the turbo modes on its blobs)
+    for s in specs:
+        if s.mode == "turbo":
+            served.setdefault(id(engines[s]), (engines[s], []))[1].append(s.name)
+    for e, names in served.values():
+        if chunks:  # ingestion: not part of TTFT; minutes for a larger model
+            label = f"encoding chunks for {', '.join(names)}"
+            tokens = e.encoder.context_tokens
+            e.encode_chunks(chunks, contexts=[text_before(before[c], c, tokens)
+                                              for c in chunks], progress=(
+                (lambda done, total, label=label: progress(label, done, total))
+                if progress else None))
+    engine.warmup()
     todo = [it for it in items if it.id not in skipped]
     rows_of: dict[str, list[dict]] = {}
-    naive_reply: dict[tuple[bool, str], str] = {}
-    naive_correct: dict[tuple[bool, str], float] = {}
-    naive_ids: dict[tuple[bool, str], list[int]] = {}  # empty: an empty reply
+    naive_reply: dict[str, str] = {}
+    naive_correct: dict[str, float] = {}
+    naive_ids: dict[str, list[int]] = {}  # empty: an empty reply
     for spec in specs:
         eng = engines[spec]
         rows = rows_of[spec.name] = []
         for i, it in enumerate(todo):
             if it.id in skipped:  # did not fit an earlier mode: out of every mode
                 continue
-            prompt, texts = prepared[spec.finetuned][it.id]
+            prompt, texts = prepared[it.id]
             if spec.reference == "rotated":  # the same chunks, the first one moved last
                 prompt, texts = build_prompt(eng.tokenizer, it.question,
                                              it.chunks[1:] + it.chunks[:1], system=system)
@@ -349,7 +330,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                    **scores, "ttft_s": st.ttft_s,
                    "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                    "new_tokens": st.new_tokens}
-            key = (spec.finetuned, it.id)
+            key = it.id
             if spec.is_full_prefill:  # the reference: its agreement with itself says nothing
                 naive_reply[key] = normalize(text)
                 naive_correct[key] = correct
@@ -379,34 +360,34 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
 def _token_agreement(specs, engines, items, skipped, prepared, rows_of, naive_ids) -> None:
     """Fill in reply_kl / reply_top1 on the rows of every mode compared with a naive reply.
 
-    Item by item: the naive reference logits are computed once per item and model and serve
-    every mode of that model (only one item's are held at a time)."""
+    Item by item: the naive reference logits are computed once per item and serve every mode
+    (only one item's are held at a time)."""
     rows = {(r["mode"], r["id"]): r for rs in rows_of.values() for r in rs}
-    naive_spec = {s.finetuned: s for s in specs if s.is_full_prefill}
+    ref_spec = next((s for s in specs if s.is_full_prefill), None)
+    if ref_spec is None:
+        return
     for it in items:
         if it.id in skipped:
             continue
-        for ft, ref_spec in naive_spec.items():
-            others = [s for s in specs if s.finetuned == ft and not s.is_full_prefill
-                      and (s.name, it.id) in rows]
-            ids = naive_ids.get((ft, it.id))
-            if not others or ids is None:
-                continue
-            if not ids:  # an empty naive reply: no positions to compare
-                for spec in others:
-                    rows[spec.name, it.id].update(reply_kl=None, reply_top1=None)
-                continue
-            prompt, texts = prepared[ft][it.id]
-            reference = reply_logits(engines[ref_spec], prompt, ids, mode="naive")
+        others = [s for s in specs if not s.is_full_prefill and (s.name, it.id) in rows]
+        ids = naive_ids.get(it.id)
+        if not others or ids is None:
+            continue
+        if not ids:  # an empty naive reply: no positions to compare
             for spec in others:
-                if spec.reference == "rotated":
-                    continue  # another prompt: its reply is compared, not its distributions
-                own = oracle_segments(engines[spec], prompt, texts) \
-                    if spec.reference == "oracle" else prompt
-                logits = reply_logits(engines[spec], own, ids, chunks=texts, mode=spec.mode,
-                                      positions=spec.positions, recovery=spec.recovery)
-                kl, top1 = token_agreement(reference, logits)
-                rows[spec.name, it.id].update(reply_kl=kl, reply_top1=top1)
+                rows[spec.name, it.id].update(reply_kl=None, reply_top1=None)
+            continue
+        prompt, texts = prepared[it.id]
+        reference = reply_logits(engines[ref_spec], prompt, ids, mode="naive")
+        for spec in others:
+            if spec.reference == "rotated":
+                continue  # another prompt: its reply is compared, not its distributions
+            own = oracle_segments(engines[spec], prompt, texts) \
+                if spec.reference == "oracle" else prompt
+            logits = reply_logits(engines[spec], own, ids, chunks=texts, mode=spec.mode,
+                                  positions=spec.positions, recovery=spec.recovery)
+            kl, top1 = token_agreement(reference, logits)
+            rows[spec.name, it.id].update(reply_kl=kl, reply_top1=top1)
 
 
 def _mean(xs: list) -> float | None:
@@ -483,7 +464,7 @@ def plot(results: dict, path: str | Path) -> str | None:
     for ax, key, label, title in panels:
         for i, (name, m) in enumerate(results["modes"].items()):
             x, y = m.get("speedup_vs_naive"), m.get(key)
-            if key == "agreement" and y is None and name in ("naive", "ft:naive"):
+            if key == "agreement" and y is None and name == "naive":
                 y = 100.0  # the reference is its own full prefill
             if x is None or y is None:
                 continue

@@ -1,4 +1,5 @@
-"""The RAG prompt shared by evaluation and fine-tuning (they must build exactly the same one)."""
+"""The RAG prompt shared by evaluation and encoder training (they must build exactly the same
+one)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,7 @@ from typing import Sequence
 
 SYSTEM = ("Answer the question using only the context. Reply with the answer alone, in a few "
           "words.")
-DOC_START, DOC_END = "<|doc_start|>", "<|doc_end|>"
 SEPARATOR = "\n\n"
-
-
-def wrap_chunks(chunks: Sequence[str], doc_tokens: bool = False) -> list[str]:
-    """The chunk texts as they appear in the prompt (and are cached): optionally between the
-    <|doc_start|>/<|doc_end|> tokens a fine-tuned model was trained with."""
-    return [f"{DOC_START}{c}{DOC_END}" if doc_tokens else c for c in chunks]
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -24,11 +18,11 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
     return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
-def build_prompt(tokenizer, question: str, chunks: Sequence[str], *, doc_tokens: bool = False,
+def build_prompt(tokenizer, question: str, chunks: Sequence[str], *,
                  system: str = SYSTEM) -> tuple[str, list[str]]:
     """(prompt text, chunk texts as they occur in it): the model's chat template with a system
     instruction, then the context (chunks joined by blank lines), then the question."""
-    texts = wrap_chunks(chunks, doc_tokens)
+    texts = list(chunks)
     user = "Context:\n" + SEPARATOR.join(texts) + f"{SEPARATOR}Question: {question}"
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     return render(tokenizer, messages), texts

@@ -75,9 +75,6 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                           description="None: the model's own window")
     anchor: str = Field(default="chat", description="what chunks are encoded after: chat | bos "
                         "| none | a text (core/prefill/anchor.py); used when no engine is given")
-    adapter: Optional[str] = Field(default=None, description="LoRA adapter merged into the "
-                                   "weights at load: None, 'default' (shipped for SmolLM2), or a "
-                                   "file; used when no engine is given")
     encoder: Optional[str] = Field(default="default", description="learned chunk encoding: "
                                    "'default' (shipped for the bundled model), None, or a file; "
                                    "used when no engine is given")
@@ -111,8 +108,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         if engine is None:
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
                                     positions=self.positions or "reordered",
-                                    anchor=self.anchor, adapter=self.adapter,
-                                    encoder=self.encoder,
+                                    anchor=self.anchor, encoder=self.encoder,
                                     **({} if self.context_tokens is None
                                        else {"context_tokens": self.context_tokens}))
         self._bind(engine, registry, self.namespace)

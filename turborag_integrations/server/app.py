@@ -202,8 +202,7 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
 
 
 def serve(*, model: str | None = None, store: str | Path | None = None,
-          host: str = "127.0.0.1", port: int = 8000, adapter: str | None = None,
-          encoder: str | None = "default",
+          host: str = "127.0.0.1", port: int = 8000, encoder: str | None = "default",
           mode: str = "turbo", recovery: str = DEFAULT_RECOVERY, max_batch: int = MAX_BATCH,
           max_queue: int = MAX_QUEUE,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
@@ -231,7 +230,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     log.info("torch threads: %d", torch.get_num_threads())
     key_file = KeyFile(keys) if keys is not None else None  # a missing file fails before loading
     engine_options = {} if context_tokens is None else {"context_tokens": context_tokens}
-    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, adapter=adapter,
+    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store,
                                                    encoder=encoder, recovery=recovery,
                                                    question_last=question_last,
                                                    **engine_options))

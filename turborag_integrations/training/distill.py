@@ -33,10 +33,12 @@ from ..core.prefill.anchor import anchor_ids
 from ..core.prefill.context import CONTEXT_JOIN, context_token_ids
 from ..core.kv.blob import fingerprint_model
 from ..core.prefill.encoding import LearnedEncoding, new_lora
-from ..core.prefill.stitch import independent_attention_mask, layout, plan_prompt
+from ..core.prefill.segment import (Piece, is_separator, split_prompt, token_pieces,
+                                    tokenize_with_starts)
+from ..core.prefill.separators import separator_ids
+from ..core.prefill.stitch import Segment, independent_attention_mask, layout, plan_prompt
 from ..evaluation.harness import load_items
 from . import optim
-from .collator import prompt_segments
 from .mix import target_reply
 from .templates import render
 
@@ -74,6 +76,46 @@ class DistillExample:
 
     def mask(self) -> torch.Tensor:
         return independent_attention_mask(len(self.ids), self.spans)
+
+
+class _TokensOnly:
+    """Stands in for a KVBlob in `plan_prompt`, which needs only a chunk's token ids."""
+
+    fingerprint = None
+
+    def __init__(self, ids: Sequence[int], base_position: int = 0, head: bool = False):
+        self.token_ids = torch.as_tensor(list(ids), dtype=torch.long)
+        self.base_position = base_position
+        self.is_head = head  # the prompt's head: cached plain, never a chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
+                    cache_prefix: bool = True, anchor_len: int = 0) -> list[Segment]:
+    """The engine's segmentation of `prompt` (see TurboRAGEngine.segments), with token-only blobs:
+    chunks encoded after an `anchor_len`-token anchor, the prompt's head plain."""
+    def own_ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    tokens = tokenize_with_starts(tokenizer, prompt)
+    if tokens is None:  # the engine's fallback too: each piece tokenized alone
+        pieces = [Piece(text, tuple(own_ids(text)), text if is_chunk else None)
+                  for text, is_chunk in split_prompt(prompt, chunk_texts)]
+    else:
+        pieces = token_pieces(prompt, *tokens, chunk_texts, own_ids)
+    separators = {tuple(run) for run in separator_ids(tokenizer)}
+    segments = []
+    for i, piece in enumerate(pieces):
+        # a stock separator between two chunks is encoded like a chunk (engine.segments)
+        is_chunk = piece.chunk is not None or is_separator(pieces, i, separators)
+        cached = is_chunk or (i == 0 and cache_prefix and any(p.chunk for p in pieces[1:]))
+        blob = _TokensOnly(piece.ids, anchor_len if is_chunk else 0, not is_chunk) \
+            if cached else None
+        segments.append(Segment(piece.text, blob, None if cached else piece.ids))  # type: ignore[arg-type]
+    return segments
 
 
 def make_example(tok, prompt: str, chunk_texts: Sequence[str], completion: str,
@@ -252,26 +294,12 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
     return out
 
 
-def given_contexts(tok, chunk_texts: Sequence[str], chunks: Sequence[str],
-                   texts: Sequence[str], context_tokens: int) -> list[list[int]]:
-    """The context of each chunk as it occurs in the prompt (`chunk_texts`), from the item's
-    own: `texts[i]` is the text before `chunks[i]` in its document (training/docmix.py). The
-    templates put chunks in the prompt as they are (stripped), so each is found by its text."""
-    by_chunk = {c.strip(): t for c, t in zip(chunks, texts)}
-    out = []
-    for text in chunk_texts:
-        before = by_chunk.get(text.strip())
-        if before is None:
-            raise ValueError(f"no context for the prompt's chunk {text.strip()[:60]!r}…")
-        out.append(context_token_ids(tok, before, context_tokens, text))
-    return out
-
-
 def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int,
                    max_tokens: int, min_chunks: int, context_tokens: int = 0,
                    seed: int = 0) -> list[DistillExample]:
     """The items' examples; `max_tokens` bounds the stitched prompt without its contexts (their
-    tokens are hidden and add only to the cost of a step)."""
+    tokens are hidden and add only to the cost of a step). Contexts are always made up
+    (`training_contexts`): an item's own `contexts`, which evaluation reads, are not used."""
     rng = random.Random(seed)
     pool = sorted({c.strip() for it in items for c in it.chunks}) if context_tokens else []
     out = []
@@ -280,13 +308,8 @@ def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int
             continue
         name = it.template or "eval"
         rendered = render(name, tok, it.question, it.chunks, target_reply(it, name))
-        if not context_tokens:
-            contexts = None
-        elif it.contexts is not None:  # a document mix: each chunk's own document before it
-            contexts = given_contexts(tok, rendered.chunk_texts, it.chunks, it.contexts,
-                                      context_tokens)
-        else:
-            contexts = training_contexts(tok, rendered.chunk_texts, pool, context_tokens, rng)
+        contexts = training_contexts(tok, rendered.chunk_texts, pool, context_tokens, rng) \
+            if context_tokens else None
         ex = make_example(tok, rendered.prompt, rendered.chunk_texts, rendered.completion,
                           anchor, num_soft, pad_id, contexts)
         if len(ex.ids) - ex.context_len <= max_tokens and ex.reply:

@@ -1,10 +1,10 @@
-"""A broad, seeded training mix for the stitched-chunk fine-tune.
+"""A broad, seeded training mix for the learned chunk encoder (distill.py).
 
 The devset's train split teaches one prompt layout, a fixed number of chunks, and questions that
 always have an answer. Deployed, the model meets the prompts of LlamaIndex, LangChain and plain
 chat pipelines (templates.py), one retrieved chunk or ten, and retrievals that miss the fact; a
-model never trained on those answers from the wrong chunk instead of saying it cannot. So this
-mix holds:
+chunk encoder never trained on those leaves it answering from the wrong chunk instead of saying
+it cannot. So this mix holds:
 
   * every template of templates.TEMPLATES, roughly uniformly, the evaluation prompt a bit more;
   * 1 to 10 chunks per item (single-chunk items included), the distractors first of the gold
@@ -15,7 +15,7 @@ mix holds:
     answer is REFUSAL.
 
 The facts come from devset.py's fictional worlds, built from seeds of their own, none of them a
-test world's seed, so fine-tuning on the mix cannot leak test facts.
+test world's seed, so training on the mix cannot leak test facts.
 
 Each JSONL line: {"id", "template", "question", "answers", "chunks", "gold", "hops",
 "unanswerable"}; `target_reply` is the reply the model is trained to give.

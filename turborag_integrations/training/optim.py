@@ -1,5 +1,5 @@
-"""What the fine-tune and the encoder distillation share: a run's inputs, the optimiser, the
-schedule and the step."""
+"""The training loop's parts for the encoder distillation (distill.py): a run's inputs, the
+optimiser, the schedule and the step."""
 
 from __future__ import annotations
 

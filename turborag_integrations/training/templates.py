@@ -1,10 +1,10 @@
-"""The prompts a stitched-chunk fine-tune should see: exactly what real pipelines send the model.
+"""The prompts stitched-chunk training should see: exactly what real pipelines send the model.
 
-A fine-tune learns the prompt layout it is trained on. Trained on the evaluation prompt alone, a
-model can still falter on the prompt a stock LlamaIndex query engine or a LangChain RAG chain
-sends through the TurboRAG adapters: another system prompt, another separator between chunks,
-the question before or after the context. Each template here renders one (question, chunks,
-answer) triple into the text the model receives in one such pipeline.
+Training learns the prompt layout it is trained on. Trained on the evaluation prompt alone, a
+chunk encoder can still falter on the prompt a stock LlamaIndex query engine or a LangChain RAG
+chain sends through the TurboRAG adapters: another system prompt, another separator between
+chunks, the question before or after the context. Each template here renders one (question,
+chunks, answer) triple into the text the model receives in one such pipeline.
 
 The texts are not copies. The LlamaIndex and LangChain templates are built with the installed
 framework's own stock prompt objects and turned into prompt text by the adapters' own code
@@ -139,7 +139,7 @@ def render_eval(tokenizer: Any, question: str, chunks: Sequence[str],
     from ..evaluation.prompt import build_prompt
 
     recorder = _ChatRecorder(tokenizer)
-    prompt, texts = build_prompt(recorder, question, chunks, doc_tokens=False)
+    prompt, texts = build_prompt(recorder, question, chunks)
     return _rendered(recorder, prompt, texts, answer)
 
 

@@ -12,7 +12,7 @@ small model answers from the wrong chunk: on the dev set the stock LangChain cha
 `question_last` moves the chunks in front of the user's text that precedes them, inside the
 same turn: the chat template's head (system prompt and the user-turn opener) stays first, then
 the chunks, then the user's text, then whatever followed the chunks. The prompt then has the
-layout TurboRAG and the shipped adapter were made for. It is a change of the prompt, so the
+layout TurboRAG was made for. It is a change of the prompt, so the
 engine does it only where asked (`TurboRAGEngine(question_last=True)`) and only in turbo mode:
 a full prefill keeps the prompt as written, its chunks already see the question.
 """

@@ -291,7 +291,7 @@ def reference_forward(model, plan: StitchPlan, anchor_ids: Sequence[int] = ()) -
     The definition the stitched path must reproduce (invariant 2), written the obvious way: one
     4D mask over the full prompt in which chunk tokens see only their own chunk (and the copy of
     the anchor they were encoded after), causally, and every other token sees all prompt tokens
-    before it. Also the layout the fine-tuning collator builds.
+    before it. Also the layout the chunk encoder is trained on (training/distill.py).
     """
     lay = layout(plan, anchor_ids)
     mask = lay.mask()
