@@ -1,5 +1,6 @@
 """The Workspace's ingestion: a file's chunks, in order, each encoded after those before."""
 
+import pytest
 import torch
 
 from tests.conftest import tiny_model, write_docs
@@ -48,3 +49,72 @@ def test_a_question_without_history_stitches_its_first_source_from_a_lead_blob(t
                                    {"role": "assistant", "content": "Hello."}])
     "".join(later)
     assert "lead_blob" not in later.stats.extra  # another head: the usual blobs
+
+
+def long_text(n: int = 40) -> str:
+    return " ".join(f"Line {i}: the harbour froze in {1900 + i}." for i in range(n))
+
+
+def test_a_file_that_is_not_text_is_skipped_with_a_warning(tmp_path):
+    """A binary file named notes.txt is not chunked (it would be noise, for minutes): it is
+    counted, warned about and left out; the real document beside it is ingested."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False)
+    docs = write_docs(tmp_path / "docs", {"harbour.md": "The harbour froze in 1903."})
+    (docs / "notes.txt").write_bytes(bytes(range(256)) * 80)  # 20 KB, NUL bytes included
+    (docs / "latin1.txt").write_bytes("café crème brûlée ".encode("latin-1") * 200)
+    workspace = Workspace(tmp_path / "ws", engine=engine)
+    with pytest.warns(UserWarning, match="notes.txt: binary content"):
+        counts = workspace.ingest([docs])
+    assert counts["unreadable"] == 2 and counts["ingested"] == 1
+    sources = {m["source"] for m in workspace.collection.get(include=["metadatas"])["metadatas"]}
+    assert sources == {str(docs / "harbour.md")}
+
+
+def test_progress_moves_within_a_file_and_ends_at_every_byte(tmp_path):
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            batch_size=2)
+    docs = write_docs(tmp_path / "docs", {"a.md": long_text(), "b.md": "The mill burned."})
+    total = sum(p.stat().st_size for p in docs.iterdir())
+    seen = []
+    counts = Workspace(tmp_path / "ws", chunk_tokens=32, engine=engine).ingest(
+        [docs], progress=seen.append)
+    assert counts["chunks"] > 4  # a.md alone takes several batches of 2
+    done = [p.done_bytes for p in seen]
+    assert done == sorted(done) and done[-1] == total and seen[-1].files_done == 2
+    within_a = {p.done_bytes for p in seen if p.path.endswith("a.md") and p.files_done == 0}
+    assert len(within_a - {0}) >= 2  # moved more than once before a.md was done
+
+
+def test_an_interrupted_ingestion_keeps_its_blobs_and_resumes_where_it_stopped(tmp_path):
+    """Each batch's blobs are stored as they are made: a run stopped in the middle of a file
+    leaves them, and the rerun encodes only the rest (nothing half-written, nothing twice)."""
+    from turborag_integrations.core.store.kvstore import KVStore
+
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            batch_size=2)
+    docs = write_docs(tmp_path / "docs", {"a.md": long_text()})
+    workspace = Workspace(tmp_path / "ws", chunk_tokens=32, engine=engine)
+
+    def stop_after_two_batches(at):
+        if at.done_bytes > 0 and len(stored) >= 4:
+            raise KeyboardInterrupt
+
+    stored = []
+    original = KVStore.put
+
+    def put(self, blob, *args, **kwargs):
+        stored.append(blob.num_tokens)
+        return original(self, blob, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KVStore, "put", put)
+        with pytest.raises(KeyboardInterrupt):
+            workspace.ingest([docs], progress=stop_after_two_batches)
+        first = len(stored)
+        assert workspace.collection.count() == 0  # the file is not done: no chunk in Chroma
+        stored.clear()
+        counts = workspace.ingest([docs])
+    assert counts["ingested"] == 1
+    # the rerun stored only what the first run had not (lead blobs are made after all chunks)
+    assert first >= 4 and len(stored) == 2 * counts["chunks"] - first
+    assert workspace.collection.count() == counts["chunks"]

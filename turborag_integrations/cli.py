@@ -48,15 +48,22 @@ def _check_recovery(spec: str) -> None:
 
 
 def _ingest(ws, paths, *, quiet: bool = False) -> dict:
-    """`ws.ingest(paths)` with a progress bar of files on stderr (none when quiet)."""
+    """`ws.ingest(paths)` with a progress bar on stderr (none when quiet): bytes of the files,
+    moving as each batch of chunks is stored, with files done and an ETA."""
     from tqdm import tqdm
 
-    with tqdm(desc="ingesting", unit="file", disable=quiet) as bar:
-        def progress(path, done, total):
-            bar.total = total
-            bar.set_postfix_str(Path(path).name[-30:])
-            bar.update(done - bar.n)
-        return ws.ingest(paths, progress=progress)
+    with tqdm(desc="ingesting", unit="B", unit_scale=True, disable=quiet,
+              mininterval=1.0) as bar:
+        def progress(at):
+            bar.total = at.total_bytes
+            bar.set_postfix_str(f"file {min(at.files_done + 1, at.files)}/{at.files} "
+                                f"{Path(at.path).name[-30:]}", refresh=False)
+            bar.update(at.done_bytes - bar.n)
+        counts = ws.ingest(paths, progress=progress)
+    if counts.get("unreadable"):
+        typer.echo(f"skipped {counts['unreadable']} file(s) that are not text (see the "
+                   "warnings above)", err=True)
+    return counts
 
 
 def _echo_stream(answer, *, quiet: bool = False) -> None:

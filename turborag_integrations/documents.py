@@ -20,6 +20,23 @@ class DocumentError(TurboRAGError):
     """A path names no readable document (missing, empty folder, unsupported type)."""
 
 
+class UndecodableDocument(DocumentError):
+    """A file named as text that is not text (binary content, another encoding): ingestion
+    skips it with a warning rather than chunking noise for minutes."""
+
+
+def _text(path: Path) -> str:
+    """A text file's content as UTF-8; an UndecodableDocument if it holds NUL bytes (binary)
+    or more than 1% of bytes that are not UTF-8 (a few stray ones are replaced)."""
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:
+        raise UndecodableDocument(f"{path}: binary content, not text; skipped")
+    text = data.decode("utf-8", errors="replace")
+    if text.count("\ufffd") > max(8, len(data) // 100):
+        raise UndecodableDocument(f"{path}: not UTF-8 text (convert it to UTF-8); skipped")
+    return text
+
+
 class _TextOfHTML(HTMLParser):
     def __init__(self):
         super().__init__()
@@ -45,10 +62,10 @@ def read_document(path: Path) -> str:
     """Text of a .txt/.md/.rst, .html or (with pypdf installed) .pdf file."""
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
-        return path.read_text(encoding="utf-8", errors="replace")
+        return _text(path)
     if suffix in HTML_SUFFIXES:
         parser = _TextOfHTML()
-        parser.feed(path.read_text(encoding="utf-8", errors="replace"))
+        parser.feed(_text(path))
         return "".join(parser.parts)
     if suffix == ".pdf":
         try:

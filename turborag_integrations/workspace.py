@@ -19,8 +19,9 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -35,7 +36,7 @@ from .core.errors import TurboRAGError
 from .core.settings import GenerationConfig
 from .core.models import DEFAULT_MODEL
 from .core.store import KVStore, default_store_path
-from .documents import find_documents, read_document
+from .documents import UndecodableDocument, find_documents, read_document
 
 SYSTEM_PROMPT = "Answer the question using only the context. Be brief."
 COLLECTION = "turborag_chunks"
@@ -49,6 +50,18 @@ class WorkspaceError(TurboRAGError):
 
 def default_workspace() -> Path:
     return environment.workspace_dir()
+
+
+@dataclass(frozen=True)
+class IngestProgress:
+    """Where an ingestion stands: files done of all, and bytes of those files encoded (a file's
+    bytes advance with its chunks, so a long file moves the count as it goes)."""
+
+    files: int
+    total_bytes: int
+    path: str = ""
+    files_done: int = 0
+    done_bytes: int = 0
 
 
 @dataclass
@@ -213,25 +226,46 @@ class Workspace:
 
     # ---- ingestion --------------------------------------------------------------------------
     def ingest(self, paths: Sequence[str | Path],
-               progress: Callable[[str, int, int], None] | None = None) -> dict:
+               progress: Callable[[IngestProgress], None] | None = None) -> dict:
         """Ingest files and folders. A file whose content is already in is skipped; a changed
-        file replaces its old chunks and blobs. Returns counts."""
+        file replaces its old chunks and blobs; a file that is not text is skipped with a
+        warning. Blobs are stored as they are made, so an interrupted ingestion resumes where
+        it stopped. progress(IngestProgress) after each file and each batch of chunks.
+        Returns counts."""
         files = find_documents(paths)
         manifest = self._read_manifest()
         if manifest and manifest["fingerprint"] != self.engine.fingerprint.id:
             raise WorkspaceError(f"workspace {self.root} holds blobs of another model setup "
                                  f"({manifest['model']}); use another --store folder")
         self._write_manifest()
-        counts = {"files": len(files), "skipped": 0, "ingested": 0, "chunks": 0}
-        for n, path in enumerate(files, 1):
+        counts = {"files": len(files), "skipped": 0, "ingested": 0, "chunks": 0,
+                  "unreadable": 0}
+        # Progress is counted in bytes of the files, known before anything is read, so that
+        # it moves (and an ETA exists) within a long file as its chunks are encoded.
+        sizes = [path.stat().st_size for path in files]
+        state = IngestProgress(files=len(files), total_bytes=sum(sizes))
+
+        def report(path: Path, n: int, done_bytes: int) -> None:
+            if progress:
+                progress(replace(state, path=str(path), files_done=n, done_bytes=done_bytes))
+
+        before = 0
+        for n, (path, size) in enumerate(zip(files, sizes), 1):
+            report(path, n - 1, before)
             doc_id = str(path.resolve())
-            text = read_document(path)
+            try:
+                text = read_document(path)
+            except UndecodableDocument as exc:
+                log.warning("%s", exc)
+                warnings.warn(str(exc), stacklevel=2)
+                counts["unreadable"] += 1
+                before += size
+                continue
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
             existing = self.collection.get(where={"doc_id": doc_id}, include=["metadatas"])
             if existing["ids"] and all(m.get("sha") == digest for m in existing["metadatas"]):
                 counts["skipped"] += 1
-                if progress:
-                    progress(str(path), n, len(files))
+                before += size
                 continue
             if existing["ids"]:  # the file changed: drop its old chunks and blobs
                 self.collection.delete(ids=existing["ids"])
@@ -240,9 +274,11 @@ class Workspace:
             if chunks:
                 # Blobs first, then Chroma: a file counts as done only once both are written,
                 # so an interrupted ingestion redoes it (its blobs are found and skipped).
-                self.engine.encode_chunks(chunks, doc_ids=[doc_id] * len(chunks),
-                                          contexts=document_contexts(
-                                              chunks, self.engine.encoder.context_tokens))
+                self.engine.encode_chunks(
+                    chunks, doc_ids=[doc_id] * len(chunks),
+                    contexts=document_contexts(chunks, self.engine.encoder.context_tokens),
+                    progress=lambda done, total, path=path, n=n, base=before, size=size:
+                        report(path, n - 1, base + size * done // max(total, 1)))
                 vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
                 self.collection.add(
                     ids=[f"{digest}-{i}" for i in range(len(chunks))], documents=chunks,
@@ -251,8 +287,8 @@ class Workspace:
                                for i in range(len(chunks))])
             counts["ingested"] += 1
             counts["chunks"] += len(chunks)
-            if progress:
-                progress(str(path), n, len(files))
+            before += size
+        report(files[-1], len(files), before)
         return counts
 
     # ---- questions --------------------------------------------------------------------------

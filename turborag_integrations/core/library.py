@@ -172,7 +172,9 @@ class ChunkLibrary:
         total = len(texts) * (1 + len(leads))
         if progress:
             progress(done_before, total)
-        step = self.encoder.batch_size * 4  # store as we go: an interrupted ingestion resumes
+        # one encoder batch at a time, each blob stored as soon as it is made: an interrupted
+        # ingestion resumes where it stopped, and progress moves every batch
+        step = self.encoder.batch_size
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
             blobs = self.encoder.encode_ids([ids[i] for i in batch],
