@@ -43,11 +43,12 @@ def eval_command(
                           "before it (0: alone; default: the engine's); a mode's '~N' overrides "
                           "it"),
     modes: Optional[str] = typer.Option(
-        None, help="comma-separated: naive, turbo, turbo-composite, turbo[-composite]+RECOVERY "
-                   "(first, boundary:K, blend:R); a turbo mode may add @ANCHOR, ~N (context "
+        None, help="comma-separated: naive, turbo (the default recovery), turbo-composite, "
+                   "turbo[-composite]+RECOVERY (none, select:R, select:auto, first, boundary:K, "
+                   "blend:R); a turbo mode may add @ANCHOR, ~N (context "
                    "tokens) and #ENCODER; or, on a long-document set, long-context, "
                    "rag-only, rapid:η, rapid (η chosen on --dev). Default: "
-                   "naive,turbo,turbo-composite,turbo+boundary:16,turbo+blend:0.15, or "
+                   "naive,turbo,turbo+none,turbo+boundary:16,turbo+blend:0.15, or "
                    "long-context,rag-only,rapid:0,rapid on a long-document set"),
     out: Path = typer.Option(Path("eval-out"), help="folder for results.json, answers.jsonl, "
                              "table.md, plot.png"),
@@ -101,12 +102,13 @@ def eval_command(
     if is_long_document_set(data):
         fail(f"{data} is a long-document set: use the modes long-context, rag-only, rapid:η, "
              "rapid")
-    mode_list = mode_list or ["naive", "turbo", "turbo-composite", "turbo+boundary:16",
-                              "turbo+blend:0.15"]
     from ..core.engine import TurboRAGEngine
     from ..core.errors import TurboRAGError
     from ..core.models import DEFAULT_MODEL
-    from .harness import evaluate, load_items, markdown_table, temporary_store, write_results
+    from .harness import (DEFAULT_MODES, evaluate, load_items, markdown_table, temporary_store,
+                          write_results)
+
+    mode_list = mode_list or list(DEFAULT_MODES)
     from .prompt import SYSTEM
 
     system = SYSTEM if system is None else system

@@ -24,8 +24,9 @@ ignored. For each mode every item is answered greedily and scored:
 - ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
-Modes: "naive" (full prefill), "turbo" (stitched, reordered positions), "turbo-composite",
-either turbo mode with a recovery ("turbo+boundary:16", "turbo+blend:0.15"), with a chunk anchor
+Modes: "naive" (full prefill), "turbo" (stitched, reordered positions, the engine's default
+recovery), "turbo-composite", either turbo mode with a recovery of its own ("turbo+none": the
+stitched prefill alone, "turbo+select:0.3", "turbo+boundary:16", "turbo+blend:0.15"), with a chunk anchor
 other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
 prompt's own head, known at ingestion here), with a chunk encoder other than the engine's
 ("turbo#none": training-free; "turbo#FILE": that learned encoder file; one full-prefill
@@ -63,7 +64,9 @@ from .prompt import SYSTEM, build_prompt, prompt_head
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODES = ("naive", "turbo", "turbo-composite", "turbo+boundary:16", "turbo+blend:0.15")
+# the full prefill, the default (query-aware recompute), the stitched prefill alone, and the
+# frontier's other recoveries at a like budget
+DEFAULT_MODES = ("naive", "turbo", "turbo+none", "turbo+boundary:16", "turbo+blend:0.15")
 
 
 @dataclass
