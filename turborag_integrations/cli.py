@@ -47,6 +47,21 @@ def _check_recovery(spec: str) -> None:
         _fail(f"--recovery: {exc}")
 
 
+def _check_device(device: str, dtype: str) -> None:
+    """Fail, before any model loads, on a device that is not here or a dtype not known."""
+    from .core.errors import ModelError
+    from .core.models import parse_device, parse_dtype
+
+    try:
+        parse_device(device)
+    except ModelError as exc:
+        _fail(f"--device: {exc}")
+    try:
+        parse_dtype(dtype)
+    except ModelError as exc:
+        _fail(f"--dtype: {exc}")
+
+
 def _ingest(ws, paths, *, quiet: bool = False) -> dict:
     """`ws.ingest(paths)` with a progress bar on stderr (none when quiet): bytes of the files,
     moving as each batch of chunks is stored, with files done and an ETA."""
@@ -319,6 +334,10 @@ def serve(
                                        help="stitch question-first prompts with the chunks "
                                        "moved before the question (docs/langchain.md)"),
     context_tokens: Optional[int] = ContextOpt,
+    device: str = typer.Option("cpu", help="where the model runs: cpu, cuda, cuda:N, mps or "
+                               "auto (the first accelerator there is)"),
+    dtype: str = typer.Option("float32", help="weights and blobs: float32, bfloat16, float16 "
+                              "or auto (the checkpoint's)"),
     prompt: List[Path] = typer.Option([], "--prompt", show_default=False,
                                       help="the clients' prompt template (repeatable): a .json "
                                       "list of chat messages, or prompt text, with {context} "
@@ -336,6 +355,7 @@ def serve(
     if mode not in MODES:
         _fail(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
     _check_recovery(recovery)
+    _check_device(device, dtype)
     try:
         body_limit = parse_size(max_body_bytes)
     except ValueError as exc:
@@ -364,7 +384,7 @@ def serve(
                    max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
                    api_key=api_key, keys=keys, threads=threads,
                    question_last=question_last, context_tokens=context_tokens,
-                   prompts=prompts)
+                   prompts=prompts, device=device, dtype=dtype)
     except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
 

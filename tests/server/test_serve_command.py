@@ -19,7 +19,8 @@ DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "encoder": "default", "mode": "turbo", "recovery": DEFAULT_RECOVERY,
             "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
-            "question_last": False, "context_tokens": None, "prompts": []}
+            "question_last": False, "context_tokens": None, "prompts": [], "device": "cpu",
+            "dtype": "float32"}
 
 
 def test_serve_options_reach_the_server(monkeypatch, tmp_path):
@@ -65,6 +66,9 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
                        (["--api-key", ""], "--api-key is empty"),
                        (["--api-key", "k", "--keys", "keys.json"], "not both"),
                        (["--recovery", "select:2"], "--recovery: bad recovery 'select:2'"),
+                       (["--device", "cuda:7"], "--device: device 'cuda:7' is not available"),
+                       (["--device", "gpu"], "--device: unknown device 'gpu'"),
+                       (["--dtype", "half"], "--dtype: unknown dtype 'half'"),
                        (["--recovery", "fancy:3"], "--recovery: unknown recovery 'fancy:3'")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
@@ -80,7 +84,7 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, encoder, recovery, question_last):
+    def load(model, *, store, encoder, recovery, question_last, device, dtype):
         made.append((model, store, encoder, recovery, question_last,
                      threading.current_thread()))
         return engine

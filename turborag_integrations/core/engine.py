@@ -56,7 +56,14 @@ class TurboRAGEngine(ChunkLibrary):
                  namespace: str = "", separators: bool = True,
                  context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                  prompt_heads: Sequence[str] = (), recovery: str | Recovery = DEFAULT_RECOVERY):
-        """anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
+        """model: a bundled name, a local folder, a Hugging Face id, or a LoadedModel already
+        loaded (then `device` and `dtype` are its own). device: where it runs — cpu, cuda,
+        cuda:N, mps or auto (the first accelerator there is); one that is not here is refused
+        before loading. dtype: float32 (the default: exact and fastest on CPUs without native
+        bf16), bfloat16, float16 or auto (the checkpoint's). Blobs are made in the model's dtype,
+        which is part of their fingerprint.
+
+        anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
         (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
         fingerprint and key.
 

@@ -259,13 +259,47 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    """A torch dtype from its name; "auto" stays "auto" (the checkpoint's own dtype)."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     try:
         return DTYPES[dtype]
-    except KeyError:
-        raise ModelError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+    except (KeyError, TypeError):
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES) + ['auto']}") \
+            from None
+
+
+def available_devices() -> list[str]:
+    """The devices this torch can run on here, "cpu" first."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """"cpu", "cuda", "cuda:N", "mps" or "auto" (the first accelerator there is, else the CPU)
+    → a torch.device that exists here, or a ModelError naming what does, before any load."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    here = available_devices()
+    if device == "auto":
+        return torch.device(next((d for d in here if d != "cpu"), "cpu"))
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"unknown device {device!r}; use cpu, cuda, cuda:N, mps or auto "
+                         f"(available here: {', '.join(here)})") from None
+    if str(parsed) not in here and parsed.type not in ("cpu",):
+        why = ("this torch is a CPU build" if parsed.type == "cuda" and
+               not torch.backends.cuda.is_built() else f"no {parsed} here")
+        raise ModelError(f"device {device!r} is not available ({why}); available here: "
+                         f"{', '.join(here)}, or auto")
+    return parsed
 
 
 def check_supported(config) -> None:
@@ -319,12 +353,14 @@ def load_model(spec: str | None = None, *, dtype: str | torch.dtype = "float32",
                progress: bool = True) -> LoadedModel:
     """Load `spec`: a catalog name, a local folder, or a Hugging Face id (None: the default).
 
-    dtype defaults to float32: on CPUs without native bf16 it is the fastest and exact.
+    dtype defaults to float32: on CPUs without native bf16 it is the fastest and exact; "auto"
+    keeps the checkpoint's. device: cpu, cuda, cuda:N, mps or auto (parse_device).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = spec or DEFAULT_MODEL
     torch_dtype = parse_dtype(dtype)
+    device = parse_device(device)  # an unknown or absent device fails before any load
     source = model_source(spec, progress=progress)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -16,6 +16,7 @@ from langchain_core.documents import Document
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..core.engine import TurboRAGEngine
+from ..core.models import parse_device, parse_dtype
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
@@ -25,7 +26,7 @@ from .fingerprints import check_metadata
 
 log = logging.getLogger(__name__)
 
-_ENGINES: dict[str | None, TurboRAGEngine] = {}
+_ENGINES: dict[tuple[str | None, str, str], TurboRAGEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 # Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
@@ -35,13 +36,17 @@ _CALL_KWARGS = SAMPLING_KWARGS | {"mode", "chunks", "model", "encode_missing", "
                                   "recovery"}
 
 
-def shared_engine(model: str | None = None) -> TurboRAGEngine:
-    """One engine per model name per process, so a model loads once however many adapters (and
-    the vector store wrapper) ask for it by name. `None` is the bundled default model."""
+def shared_engine(model: str | None = None, device: str = "cpu",
+                  dtype: str = "float32") -> TurboRAGEngine:
+    """One engine per model, device and dtype per process, so a model loads once however many
+    adapters (and the vector store wrapper) ask for it by name. `None` is the bundled default
+    model."""
+    key = (model, device, dtype)
     with _ENGINES_LOCK:
-        engine = _ENGINES.get(model)
+        engine = _ENGINES.get(key)
         if engine is None:
-            engine = _ENGINES[model] = TurboRAGEngine(model, progress=False)
+            engine = _ENGINES[key] = TurboRAGEngine(model, progress=False, device=device,
+                                                    dtype=dtype)
         return engine
 
 
@@ -112,6 +117,10 @@ class TurboRAGParams(SamplingParams):
     store. If not given, a shared engine for `model` is created on first use."""
     model_name: str | None = Field(default=None, alias="model")
     """Model to load when no engine is given (None: the bundled SmolLM2)."""
+    device: str = "cpu"
+    """Where that model runs: cpu, cuda, cuda:N, mps or auto (the first accelerator there is)."""
+    dtype: str = "float32"
+    """Its weights' and blobs' dtype: float32, bfloat16, float16 or auto (the checkpoint's)."""
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
     recovery: str | None = None
@@ -146,12 +155,24 @@ class TurboRAGParams(SamplingParams):
         parse_recovery(spec)  # a bad spec fails here, not at the first call
         return spec
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        parse_device(device)  # an unknown or absent device fails here, before any load
+        return device
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, dtype: str) -> str:
+        parse_dtype(dtype)
+        return dtype
+
     # ---- engine ---------------------------------------------------------------------------
     def get_engine(self) -> TurboRAGEngine:
         engine = self.engine
         if engine is None:
             if self._engine is None:
-                self._engine = shared_engine(self.model_name)
+                self._engine = shared_engine(self.model_name, self.device, self.dtype)
             engine = self._engine
         return engine if self.namespace is None else engine.namespaced(self.namespace)
 

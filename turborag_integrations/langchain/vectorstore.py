@@ -25,6 +25,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from ..core.engine import TurboRAGEngine
+from ..core.models import parse_device, parse_dtype
 from ..core.prefill.context import text_before
 from ..core.registry import ChunkRegistry
 from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
@@ -110,6 +111,8 @@ class KVCachingVectorStore(VectorStore):
         turborag_metadata: keep the `turborag_*` keys in returned documents' metadata. Off by
             default, so documents come back exactly as they were added.
         progress: callable(done, total) for encoding progress.
+        device, dtype: where the shared engine of `model` runs and its blobs' dtype (as
+            `TurboRAGChatModel(device=, dtype=)`; give both the same, or share one engine).
     """
 
     def __init__(self, vectorstore: VectorStore | None = None, *,
@@ -119,8 +122,12 @@ class KVCachingVectorStore(VectorStore):
                  chroma_client: Any = None, registry: ChunkRegistry | None = None,
                  check_fingerprint: bool = True, turborag_metadata: bool = False,
                  progress: Callable[[int, int], None] | None = None,
-                 namespace: str | None = None):
-        self.engine = engine if engine is not None else shared_engine(model)
+                 namespace: str | None = None, device: str = "cpu", dtype: str = "float32"):
+        if engine is None:
+            parse_device(device)  # an unknown or absent device fails before any load
+            parse_dtype(dtype)
+            engine = shared_engine(model, device, dtype)
+        self.engine = engine
         if namespace is not None:
             self.engine = self.engine.namespaced(namespace)
             collection_name = namespaced_collection(collection_name, namespace)
@@ -250,12 +257,14 @@ class KVCachingVectorStore(VectorStore):
                    collection_name: str = "turborag", chroma_url: str | None = None,
                    chroma_client: Any = None, registry: ChunkRegistry | None = None,
                    check_fingerprint: bool = True, turborag_metadata: bool = False,
+                   device: str = "cpu", dtype: str = "float32",
                    **kwargs: Any) -> "KVCachingVectorStore":
         """Build the (default Chroma) store over `embedding`, then add and encode `texts`."""
         store = cls(vectorstore, engine=engine, model=model, embedding=embedding,
                     persist_directory=persist_directory, collection_name=collection_name,
                     chroma_url=chroma_url, chroma_client=chroma_client, registry=registry,
-                    check_fingerprint=check_fingerprint, turborag_metadata=turborag_metadata)
+                    check_fingerprint=check_fingerprint, turborag_metadata=turborag_metadata,
+                    device=device, dtype=dtype)
         store.add_texts(texts, metadatas, ids=ids, **kwargs)
         return store
 

@@ -19,7 +19,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..core.engine import TurboRAGEngine
-from ..core.models import DEFAULT_MODEL
+from ..core.models import DEFAULT_MODEL, parse_device, parse_dtype
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
@@ -59,6 +59,10 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     model_name: str = Field(default=DEFAULT_MODEL,
                             description="bundled model name, local folder or Hugging Face id")
     store_path: Optional[str] = Field(default=None, description="KV store folder (None: default)")
+    device: str = Field(default="cpu", description="where the model runs when no engine is "
+                        "given: cpu, cuda, cuda:N, mps or auto (the first accelerator there is)")
+    dtype: str = Field(default="float32", description="the weights' and blobs' dtype when no "
+                       "engine is given: float32, bfloat16, float16 or auto (the checkpoint's)")
     positions: Optional[str] = Field(default=None,
                                      description="'reordered' or 'composite' (None: the engine's)")
     mode: str = Field(default="turbo", description="'turbo' (reuse blobs) or 'naive' (prefill all)")
@@ -106,7 +110,10 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
             check_choice("positions", self.positions, POSITION_MODES)
         parse_recovery(self.recovery)  # a bad spec fails here, not at the first query
         if engine is None:
+            parse_device(self.device)  # an unknown or absent device fails before any load
+            parse_dtype(self.dtype)
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
+                                    device=self.device, dtype=self.dtype,
                                     positions=self.positions or "reordered",
                                     anchor=self.anchor, encoder=self.encoder,
                                     **({} if self.context_tokens is None

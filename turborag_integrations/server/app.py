@@ -208,7 +208,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
           max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
           keys: str | Path | None = None, threads: int | None = None,
           question_last: bool = False, context_tokens: int | None = None,
-          prompts: Sequence[Template] = ()) -> None:
+          prompts: Sequence[Template] = (), device: str = "cpu",
+          dtype: str = "float32") -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -218,6 +219,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     OpenMP threads busy as there are cores, and every operation then waits for threads the other
     process has taken (measured: 5.8x fewer requests/s; docs/serving.md). `prompts`: the
     clients' prompt templates (core/prompt_template.py), whose heads get lead blobs.
+    `device`, `dtype`: where the model runs and in what (core/models.py parse_device).
     """
     import uvicorn
 
@@ -233,6 +235,7 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store,
                                                    encoder=encoder, recovery=recovery,
                                                    question_last=question_last,
+                                                   device=device, dtype=dtype,
                                                    **engine_options))
     with engine:
         for template in prompts:  # a template the engine cannot take fails before serving
