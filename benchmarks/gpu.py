@@ -90,7 +90,8 @@ def exactness(device, tmp: Path) -> dict:
     other = "The harbour archive holds maps of every reef between the two capes."
     for kind in ("llama", "qwen2"):
         loaded = to_device(tiny_model(kind, seed=1), device)
-        engine = TurboRAGEngine(loaded, store=KVStore(tmp / f"kv-{kind}"), progress=False)
+        engine = TurboRAGEngine(loaded, store=KVStore(tmp / f"kv-{kind}"), progress=False,
+                                recovery="none")  # the stitch alone is what (a) compares
         # (a) stitched logits == one forward under the independent-attention mask
         segs = [Segment("<s>user\n"), Segment(text, engine.encoder.encode(text)),
                 Segment(other, engine.encoder.encode(other)), Segment(" How high is it?\n")]
@@ -141,7 +142,7 @@ def exactness(device, tmp: Path) -> dict:
         res[f"{kind}_rapid_eta0_equals_target_greedy"] = got.token_ids == want
         # (d) recovery modes and an int8 store run on the device
         prompt = "<s>user\n" + text + other + " How high is it?\n"
-        for spec in ("boundary:4", "blend:0.2"):
+        for spec in ("boundary:4", "blend:0.2", "select:0.15", "select:auto"):
             out = engine.generate(prompt, chunks=[text, other], recovery=spec,
                                   config=GenerationConfig(max_new_tokens=4))
             res[f"{kind}_recovery_{spec}_tokens"] = len(out.token_ids)
@@ -227,7 +228,9 @@ def speed(device, context: int, chunk: int, gamma: int, drafter_tokens: int, tmp
             continue
         store = KVStore(tmp / f"kv-speed-{name}", accelerator_bytes=acc_bytes,
                         memory_bytes=4 << 30)
-        engine = TurboRAGEngine(target, store=store, progress=False, batch_size=8)
+        # the stitched prefill alone: the store tier's effect, not the recompute's
+        engine = TurboRAGEngine(target, store=store, progress=False, batch_size=8,
+                                recovery="none")
         t0 = time.perf_counter()
         engine.encode_chunks(chunks)
         sync(device)

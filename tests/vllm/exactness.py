@@ -60,7 +60,9 @@ def main(model_dir: str, out_path: str) -> None:
     from turborag_integrations.core.settings import GenerationConfig
 
     store = tempfile.mkdtemp(prefix="turborag-vllm-")
-    engine = TurboRAGEngine(model_dir, store=store, encoder=ENCODER, progress=False)
+    # recovery "none": vLLM's connector stitches alone, so that is the HF answer it must equal
+    engine = TurboRAGEngine(model_dir, store=store, encoder=ENCODER, progress=False,
+                            recovery="none")
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     results: dict = {}
 
@@ -83,7 +85,7 @@ def main(model_dir: str, out_path: str) -> None:
     # a lead blob: the first chunk after LEAD_HEAD, encoded right after it by an engine on the
     # same store that was told that head; the connector claims it for that chunk
     lead_engine = TurboRAGEngine(engine.loaded, store=engine.store, encoder=ENCODER,
-                                 prompt_heads=[LEAD_HEAD])
+                                 prompt_heads=[LEAD_HEAD], recovery="none")
     lead_engine.encode_chunks(CHUNKS[:3])
     p_lead = LEAD_HEAD + "".join(CHUNKS[:3]) + question("Who completed the Varnholt bridge, and when?")
     lead_turbo = lead_engine.generate(p_lead, chunks=CHUNKS[:3], config=config)
@@ -179,6 +181,22 @@ def main(model_dir: str, out_path: str) -> None:
                        use_tqdm=False)[0]
     results["named"] = {"tokens": list(out.outputs[0].token_ids),
                         "params": out.kv_transfer_params}
+    # a recovery asked of vLLM: not claimed, prefilled whole (vLLM's causal answer), and told
+    # why; "none" is the stitch as usual
+    # (asked again with vLLM's skip_reading_prefix_cache, past the blocks the stitched
+    # request above left in vLLM's own prefix cache under this salt)
+    for name, spec, skip in (("select:0.15", "select:0.15", None),
+                             ("select:0.15_skip", "select:0.15", True), ("none", "none", None)):
+        asked = SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                               skip_reading_prefix_cache=skip, extra_args={
+                                   "kv_transfer_params": {"turborag_recovery": spec}})
+        out = llm.generate([{"prompt_token_ids": r["ids"], "cache_salt": "turborag"}], asked,
+                           use_tqdm=False)[0]
+        tokens = list(out.outputs[0].token_ids)
+        if out.outputs[0].finish_reason == "stop" and tokens and tokens[-1] in engine.eos_ids:
+            tokens.pop()
+        results[f"recovery_{name}"] = {"tokens": tokens, "params": out.kv_transfer_params,
+                                       "hf_naive": r["naive"], "hf_turbo": r["turbo"]}
     # (iii) the same tokens with no salt right after: vLLM's own causal answer
     results["plain_after"] = {**run(r["ids"]), "hf_naive": r["naive"]}
     results["causal"] = {**run(causal_ids, "turborag"), "plain": run(causal_ids)["tokens"],

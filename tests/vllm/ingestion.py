@@ -69,7 +69,7 @@ def main(model_dir: str, out_path: str) -> None:
 
     vllm_store, hf_store = tempfile.mkdtemp(prefix="vllm-made-"), tempfile.mkdtemp(prefix="hf-")
     engine = TurboRAGEngine(model_dir, store=hf_store, encoder=None, progress=False,
-                            context_tokens=CONTEXT_TOKENS)
+                            context_tokens=CONTEXT_TOKENS, recovery="none")
     texts = CHUNKS + [LONG]
     prompts = [chunk_prompt(engine.tokenizer, t) for t in texts]
 
@@ -106,7 +106,7 @@ def main(model_dir: str, out_path: str) -> None:
     # AFTER was retrieved before its document was ingested: an HF engine on the same store
     # encoded it alone, at query time; the ingestion after its context replaces that blob
     from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False,
-                               context_tokens=CONTEXT_TOKENS)
+                               context_tokens=CONTEXT_TOKENS, recovery="none")
     from_vllm.prepare_chunks([AFTER])
     results["alone_base_position"] = from_vllm.blob_for(AFTER).base_position
     context = context_token_ids(engine.tokenizer, CHUNKS[0], CONTEXT_TOKENS)
@@ -194,7 +194,7 @@ def main(model_dir: str, out_path: str) -> None:
 
     told = TurboRAGEngine(engine.loaded, store=tempfile.mkdtemp(prefix="hf-leads-"),
                           encoder=None, progress=False, context_tokens=CONTEXT_TOKENS,
-                          prompt_heads=[HEAD])
+                          prompt_heads=[HEAD], recovery="none")
     told.encode_chunks(CHUNKS[:1])
     [theirs] = [b for b in map(told.store.get, told.store.keys()) if told.is_lead(b)]
     space = made.namespace("leads")

@@ -33,7 +33,7 @@ def main(model_dir: str, url: str, out_path: str) -> None:
 
     ingest_dir, serve_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
     engine = TurboRAGEngine(model_dir, store=KVStore(ingest_dir, remote_url=url),
-                            encoder=ENCODER, progress=False)
+                            encoder=ENCODER, progress=False, recovery="none")
     chunks = CHUNKS[:3]
     engine.encode_chunks(chunks)
     prompt = HEAD + "".join(chunks) + question("Who completed the Varnholt bridge, and when?")

@@ -71,7 +71,8 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
     model_dir = build_model(tokenizer_dir, work_dir / "model")
     store = work_dir / "store"
     shutil.rmtree(store, ignore_errors=True)
-    engine = TurboRAGEngine(str(model_dir), store=str(store), encoder="none", progress=False)
+    engine = TurboRAGEngine(str(model_dir), store=str(store), encoder="none", progress=False,
+                            recovery="none")  # the connector stitches alone
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     engine.encode_chunks(CHUNKS)
     turbo = engine.generate(PROMPT, chunks=CHUNKS, config=config)

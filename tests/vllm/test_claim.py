@@ -115,6 +115,7 @@ def test_a_recovery_is_refused_with_what_to_use_instead():
     assert recovery_refusal({"turborag_recovery": "none"}) is None
     for spec in ("select:0.15", "boundary:16", "first"):
         why = recovery_refusal({"turborag_recovery": spec})
-        assert spec in why and "prefilled whole" in why and "turborag serve" in why
+        assert spec in why and "claimed nothing" in why and "turborag serve" in why
+        assert "skip_reading_prefix_cache" in why  # vLLM's own switch for a full prefill
     bad = recovery_refusal({"turborag_recovery": "select:7"})
     assert "(0, 1]" in bad and "no recovery" in bad

@@ -55,6 +55,26 @@ def test_stitched_kv_gives_the_hf_engines_turbo_answer(measured):
     assert case["params"]["turborag"]["lead_blob"] is False  # no lead blobs after this head
 
 
+def test_a_recovery_asked_of_vllm_is_refused_and_says_how_to_get_a_full_prefill(measured):
+    """vLLM cannot recompute inside a claimed run: a request asking select:0.15 claims nothing
+    and is told why. vLLM's own prefix cache still holds this prompt's blocks under the salt
+    from the stitched request before it, which the stats report; with vLLM's
+    skip_reading_prefix_cache the answer is vLLM's full prefill (what a recovery approaches).
+    Asking "none" stitches as usual."""
+    refused = measured[0]["recovery_select:0.15"]["params"]["turborag"]
+    assert refused["claimed_tokens"] == 0
+    assert "cannot run inside vLLM" in refused["recovery_refused"]
+    assert "skip_reading_prefix_cache" in refused["recovery_refused"]
+    assert refused["prefix_cached_tokens"] > 0
+    skipped = measured[0]["recovery_select:0.15_skip"]
+    assert skipped["params"]["turborag"]["claimed_tokens"] == 0
+    assert skipped["params"]["turborag"]["prefix_cached_tokens"] == 0
+    assert skipped["tokens"] == skipped["hf_naive"]
+    stitched = measured[0]["recovery_none"]
+    assert stitched["params"]["turborag"]["claimed_tokens"] > 0
+    assert stitched["tokens"] == stitched["hf_turbo"]
+
+
 def test_the_first_chunk_after_a_known_head_is_claimed_from_its_lead_blob(measured):
     """An HF engine told the prompt head stored a lead blob for the first chunk; vLLM claims
     it and answers as that engine does (its first chunk exactly the full prefill's)."""

@@ -127,7 +127,9 @@ def recovery_refusal(params) -> str | None:
     """Why a request's `kv_transfer_params.turborag_recovery` cannot be honoured here, or None
     when it asks for none. vLLM fills a prompt front to back: the connector can hand it a run of
     stored KV, never recompute tokens inside that run, so any recovery other than "none" is
-    refused, and the request is prefilled whole instead (the answer a recovery approaches)."""
+    refused and nothing is claimed. vLLM still reuses what its own prefix cache holds under the
+    same salt (possibly stitched KV an earlier request was given), so the reason names
+    `skip_reading_prefix_cache`, vLLM's own switch for a full prefill."""
     from ..core.prefill.recovery import NO_RECOVERY, parse_recovery
 
     spec = params.get(RECOVERY) if isinstance(params, dict) else None
@@ -139,6 +141,8 @@ def recovery_refusal(params) -> str | None:
     except ValueError as exc:
         return f"{exc}; and vLLM's connector runs no recovery in any case"
     return (f"recovery {spec!r} cannot run inside vLLM: its connector only loads stored KV "
-            "prefixes and cannot recompute tokens within them, so this request was prefilled "
-            "whole (the full prefill's answer). Query-time recovery runs in the HF engine: "
-            "`turborag serve` (docs/serving.md) or the LlamaIndex/LangChain LLMs")
+            "prefixes and cannot recompute tokens within them, so it claimed nothing and vLLM "
+            "prefilled what its own prefix cache did not hold (for a full prefill past blocks "
+            "cached by an earlier stitched request, also set skip_reading_prefix_cache=True). "
+            "Query-time recovery runs in the HF engine: `turborag serve` (docs/serving.md) or "
+            "the LlamaIndex/LangChain LLMs")

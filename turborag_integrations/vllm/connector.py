@@ -258,7 +258,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
             self._pending: dict[str, tuple[Claim, int]] = {}  # req_id -> (claim, first token)
             self._claims: dict[str, Claim] = {}
             self._named: dict[str, dict] = {}  # req_id -> counts of the chunks it named
-            self._refused: dict[str, str] = {}  # req_id -> why its recovery cannot run
+            # req_id -> (why its recovery cannot run, tokens vLLM's own prefix cache held)
+            self._refused: dict[str, tuple[str, int]] = {}
             self._max_head = int(extra.get("max_head_tokens", 512))
             self._ingestions: dict[str, Ingestion] = {}
             if self._enabled:
@@ -443,7 +444,10 @@ class TurboRAGConnector(KVConnectorBase_V1):
         if refusal is not None:  # never silently stitched: prefilled whole, and told why
             if request.request_id not in self._refused:
                 log.warning("TurboRAG: request %s: %s", request.request_id, refusal)
-            self._refused[request.request_id] = refusal
+            # a local hit under this salt may be KV stitched for an earlier request: reported,
+            # since the connector cannot stop vLLM from reusing it (skip_reading_prefix_cache can)
+            cached = 0 if getattr(request, "skip_reading_prefix_cache", False) else num_computed_tokens
+            self._refused[request.request_id] = (refusal, cached)
             return 0, False
         spaces = [self._space(n) for n in namespaces]
         own = spaces[0]
@@ -581,7 +585,9 @@ class TurboRAGConnector(KVConnectorBase_V1):
         named = self._named.pop(request.request_id, None) or {}
         refused = self._refused.pop(request.request_id, None)
         if refused is not None:
-            return False, {"turborag": {"claimed_tokens": 0, "recovery_refused": refused}}
+            why, cached = refused
+            return False, {"turborag": {"claimed_tokens": 0, "recovery_refused": why,
+                                        "prefix_cached_tokens": cached}}
         if claim is None:
             return False, None
         return False, {"turborag": {"claimed_tokens": claim.end,
