@@ -95,7 +95,7 @@ def exactness(device, tmp: Path) -> dict:
         # (a) stitched logits == one forward under the independent-attention mask
         segs = [Segment("<s>user\n"), Segment(text, engine.encoder.encode(text)),
                 Segment(other, engine.encoder.encode(other)), Segment(" How high is it?\n")]
-        plan = plan_prompt(segs, engine.tokenizer, positions="reordered")
+        plan = plan_prompt(segs, engine.tokenizer)
         pre = engine.prefill(segs, reserve=4)
         ref = reference_forward(loaded.model, plan)
         res[f"{kind}_stitched_max_abs_logit_diff"] = (

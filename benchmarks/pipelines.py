@@ -2,7 +2,7 @@
 
     python benchmarks/pipelines.py                                   # the held-out set
     python benchmarks/pipelines.py turborag_integrations/data/devset/test.jsonl --limit 3
-    python benchmarks/pipelines.py --pipelines langchain --engine-arg positions=composite --json
+    python benchmarks/pipelines.py --pipelines langchain --engine-arg context_tokens=0 --json
     python benchmarks/pipelines.py --k 10                            # top-10 retrieval
     python benchmarks/pipelines.py --recovery boundary:32            # TurboRAG with recovery
     python benchmarks/pipelines.py --recovery none --recovery select:0.15   # several, one run

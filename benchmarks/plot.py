@@ -53,15 +53,7 @@ def plot_concepts() -> Path:
             spans.append((start, n))
         start += n
     mask = independent_attention_mask(start, spans).to(torch.float32)
-    reordered = list(range(start))
-    composite, nxt = [], 0
-    for _, n, cached in parts:
-        if cached:
-            composite += list(range(n))
-            nxt = max(nxt, n)
-        else:
-            composite += list(range(nxt, nxt + n))
-            nxt += n
+    positions = list(range(start))  # every token at its index: chunk keys re-rotated there
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4), gridspec_kw={"width_ratios": [1.1, 1]})
     a.imshow(mask, cmap="Blues", vmin=0, vmax=1.3)
     a.set_title("who attends to whom (row → columns)")
@@ -71,7 +63,7 @@ def plot_concepts() -> Path:
     a.set_yticks(ticks, names, fontsize=7)
     b.axis("off")
     b.set_title("positions")
-    rows = [["token"] + names, ["reordered"] + reordered, ["composite"] + composite]
+    rows = [["token"] + names, ["position"] + positions]
     table = b.table(cellText=[list(map(str, r)) for r in zip(*rows)], loc="center")
     table.auto_set_font_size(False)
     table.set_fontsize(7)

@@ -207,10 +207,10 @@ def test_malformed_lines_are_reported_with_line_numbers(tmp_path):
 
 
 def test_mode_spec():
-    s = ModeSpec.parse("turbo-composite+boundary:8")
-    assert (s.mode, s.positions, s.recovery) == ("turbo", "composite", "boundary:8")
+    s = ModeSpec.parse("turbo+boundary:8")
+    assert (s.mode, s.recovery) == ("turbo", "boundary:8")
     assert ModeSpec.parse("naive").mode == "naive"
-    for bad in ("fast", "naive+boundary:4", "turbo+nope", "ft:turbo"):
+    for bad in ("fast", "naive+boundary:4", "turbo+nope", "ft:turbo", "turbo-composite"):
         with pytest.raises(ValueError):
             ModeSpec.parse(bad)
 
@@ -224,7 +224,7 @@ def test_evaluate_tiny_model(tmp_path):
             {"id": "long", "question": "Q?", "answers": ["x"], "chunks": ["y" * 3000]}]
     p.write_text("\n".join(json.dumps(r) for r in rows))
     items = load_items(p).items
-    modes = ["naive", "turbo", "turbo-composite", "turbo+boundary:4", "turbo+blend:0.5"]
+    modes = ["naive", "turbo", "turbo+none", "turbo+boundary:4", "turbo+blend:0.5"]
     res = evaluate(engine, items, modes, max_new_tokens=4)
     assert [s["id"] for s in res["skipped"]] == ["long"]
     assert "context window" in res["skipped"][0]["reason"]
@@ -419,10 +419,10 @@ def test_correct_agreement_and_same_reply(tmp_path, monkeypatch):
             {"id": "b", "question": "When?", "answers": ["1612"], "chunks": ["In 1612."]},
             {"id": "c", "question": "Why?", "answers": ["rain"], "chunks": ["For rain."]}]
     p.write_text("\n".join(json.dumps(r) for r in rows))
-    replies = {  # (mode, positions) -> reply per question
+    replies = {  # (mode, recovery) -> reply per question
         ("naive", None): {"Who?": "Tamsin", "When?": "no idea", "Why?": ""},
         ("turbo", None): {"Who?": "Tamsin.", "When?": "in 1600", "Why?": "rain"},
-        ("turbo", "composite"): {"Who?": "Orrin", "When?": "no idea", "Why?": ""},
+        ("turbo", "none"): {"Who?": "Orrin", "When?": "no idea", "Why?": ""},
     }
     from turborag_integrations.core import engine as engine_mod
 
@@ -430,27 +430,26 @@ def test_correct_agreement_and_same_reply(tmp_path, monkeypatch):
 
     def fixed(self, prompt, **k):
         result = real(self, prompt, **k)
-        composite = k["mode"] == "turbo" and k.get("positions") == "composite"
-        table = replies[k["mode"], "composite" if composite else None]
+        table = replies[k["mode"], k.get("recovery") if k["mode"] == "turbo" else None]
         result.text = next((v for q, v in table.items() if q in prompt), result.text)  # warmup
         if result.text == "":
             result.token_ids = []  # an empty reply, as after an end-of-sequence first token
         return result
 
     monkeypatch.setattr(engine_mod.TurboRAGEngine, "generate", fixed)
-    res = evaluate(engine, load_items(p).items, ["naive", "turbo", "turbo-composite"],
+    res = evaluate(engine, load_items(p).items, ["naive", "turbo", "turbo+none"],
                    max_new_tokens=3)
     m = res["modes"]
     # turbo: same reply on a only; correct as naive on a (both right), b (both wrong), not c
     assert m["turbo"]["agreement"] == pytest.approx(100 / 3)
     assert m["turbo"]["correct_agreement"] == pytest.approx(200 / 3)
-    # turbo-composite: same reply on b and c; correctness agrees on b and c (a: wrong vs right)
-    assert m["turbo-composite"]["agreement"] == pytest.approx(200 / 3)
-    assert m["turbo-composite"]["correct_agreement"] == pytest.approx(200 / 3)
+    # turbo+none: same reply on b and c; correctness agrees on b and c (a: wrong vs right)
+    assert m["turbo+none"]["agreement"] == pytest.approx(200 / 3)
+    assert m["turbo+none"]["correct_agreement"] == pytest.approx(200 / 3)
     assert m["naive"]["correct_agreement"] is None
     by = {(r["mode"], r["id"]): r for r in res["answers"]}
     assert [by["turbo", i]["correct_agrees"] for i in "abc"] == [1.0, 1.0, 0.0]
-    assert [by["turbo-composite", i]["correct_agrees"] for i in "abc"] == [0.0, 1.0, 1.0]
+    assert [by["turbo+none", i]["correct_agrees"] for i in "abc"] == [0.0, 1.0, 1.0]
     # c's naive reply is empty: no positions to compare, and the means leave it out
     assert by["turbo", "c"]["reply_kl"] is None and by["turbo", "c"]["reply_top1"] is None
     assert by["turbo", "a"]["reply_kl"] is not None

@@ -275,8 +275,6 @@ def test_bad_settings_are_refused(engine):
         TurboRAGLLM(engine, mode="fast")
     with pytest.raises(ValueError, match="unknown recovery 'edges:3'"):
         TurboRAGLLM(engine, recovery="edges:3")
-    with pytest.raises(ValueError, match="positions"):
-        TurboRAGLLM(engine, positions="sideways")
     with pytest.raises(TypeError, match="TurboRAGEngine"):
         KVCachePostprocessor(object())
 

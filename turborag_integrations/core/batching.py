@@ -113,8 +113,7 @@ class BatchScheduler:
     # ---- the callers' side -------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
-               positions: str | None = None, encode_missing: bool = False,
-               recovery=None, cancelled: threading.Event | None = None,
+               encode_missing: bool = False, recovery=None, cancelled: threading.Event | None = None,
                engine=None) -> GenerationStream:
         """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
         joins the batch when the stream is first iterated.
@@ -125,7 +124,7 @@ class BatchScheduler:
         cancelled: an event that withdraws the request once set (from any thread): never
         prefilled if it is still waiting (the stream raises `RequestCancelled`), out of the
         batch at the next round if it is in."""
-        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
                           encode_missing, recovery)
         engine = self._engine_for(engine)
         return GenerationStream(start=lambda: self._start(request, engine, cancelled))
@@ -133,12 +132,11 @@ class BatchScheduler:
     def add_request(self, request_id: str, prompt: str | Sequence[Segment], *,
                     on_output: Callable[[RequestOutput], None], chunks: Iterable[str] = (),
                     config: GenerationConfig | None = None, mode: str = "turbo",
-                    positions: str | None = None, encode_missing: bool = False,
-                    recovery=None, engine=None) -> None:
+                    encode_missing: bool = False, recovery=None, engine=None) -> None:
         """Queue `prompt`'s generation under `request_id` (arguments as `submit`); the worker
         reports it to `on_output` (module docstring) until a last, finished output. An id may
         be used again once its request has finished."""
-        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
                           encode_missing, recovery)
         self._add(Scheduled(request_id, request, self._engine_for(engine), on_output))
 

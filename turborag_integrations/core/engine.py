@@ -32,12 +32,12 @@ from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, to
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
-from .settings import MODES, POSITION_MODES, GenerationConfig, check_choice
+from .settings import MODES, GenerationConfig, check_choice
 from .store import KVStore
 from .store.namespaces import RecentlyUsed
 
 __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats",
-           "GenerationStream", "MODES", "POSITION_MODES"]
+           "GenerationStream", "MODES"]
 
 
 class TurboRAGEngine(ChunkLibrary):
@@ -48,7 +48,7 @@ class TurboRAGEngine(ChunkLibrary):
     MAX_VIEWS = 1024
 
     def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
-                 positions: str = "reordered", dtype: str = "float32", device: str = "cpu",
+                 dtype: str = "float32", device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
                  prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
                  question_last: bool = False,
@@ -105,13 +105,11 @@ class TurboRAGEngine(ChunkLibrary):
         after the chunks, as stitching needs (core/prefill/reorder.py). Off by default: it
         changes the prompt. Full prefills keep the prompt as written.
         """
-        check_choice("positions", positions, POSITION_MODES)
         self.recovery = parse_recovery(recovery) or NO_RECOVERY  # a bad spec fails before loading
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, progress=progress)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self.positions = positions
         self.question_last = bool(question_last)
         self.stitch_separators = bool(separators)
         self.user_opener = user_turn_opener(self.tokenizer)
@@ -322,10 +320,9 @@ class TurboRAGEngine(ChunkLibrary):
         return head
 
     # ---- generation -------------------------------------------------------------------------
-    def prefill(self, segments: Sequence[Segment], *, positions: str | None = None,
-                reserve: int = 0, recovery=None) -> Prefill:
-        plan = plan_prompt(segments, self.tokenizer, positions=positions or self.positions,
-                           fingerprint=self.fingerprint, context_window=self.context_window)
+    def prefill(self, segments: Sequence[Segment], *, reserve: int = 0,
+                recovery=None) -> Prefill:
+        plan = plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint, context_window=self.context_window)
         room = self.context_window - plan.next_position
         # One slot per new token, none past the window: `prefill` also counts these as positions
         # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,
@@ -349,25 +346,22 @@ class TurboRAGEngine(ChunkLibrary):
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
-               positions: str | None = None, encode_missing: bool = False,
-               recovery=None) -> GenerationStream:
+               encode_missing: bool = False, recovery=None) -> GenerationStream:
         """Generate from `prompt` (a string, or ready segments); iterate for text deltas.
 
         recovery: None, a `recovery.Recovery`, or a spec such as "boundary:16" / "blend:0.15"
         (see core/prefill/recovery.py): recompute some chunk tokens with full context (turbo
         mode).
         """
-        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode, positions,
+        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
                           encode_missing, recovery)
         return GenerationStream(start=lambda: self._run(request))
 
     def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                  config: GenerationConfig | None = None, mode: str = "turbo",
-                 positions: str | None = None, encode_missing: bool = False,
-                 recovery=None) -> GenerationResult:
+                 encode_missing: bool = False, recovery=None) -> GenerationResult:
         stream = self.stream(prompt, chunks=chunks, config=config, mode=mode,
-                             positions=positions, encode_missing=encode_missing,
-                             recovery=recovery)
+                             encode_missing=encode_missing, recovery=recovery)
         for _ in stream:
             pass
         return stream.result  # type: ignore[return-value]
@@ -391,8 +385,7 @@ class TurboRAGEngine(ChunkLibrary):
         reserve = reserve_slots(config.max_new_tokens,
                                 config.draft_tokens + 1 if config.draft else 0)
         recovery = self.recovery_for(segments, request.recovery)  # once, for prefill and stats
-        pre = self.prefill(segments, positions=request.positions, reserve=reserve,
-                           recovery=recovery)
+        pre = self.prefill(segments, reserve=reserve, recovery=recovery)
         plan = pre.plan
         stats = stats if stats is not None else GenerationStats(mode=mode)
         # assembly = finding and loading the blobs + re-rotating and concatenating them
@@ -403,7 +396,6 @@ class TurboRAGEngine(ChunkLibrary):
         stats.cache_hits, stats.cache_misses = hits, misses
         if mode == "turbo" and self._leads and any(self.is_lead(s.blob) for s in segments):
             stats.extra["lead_blob"] = True  # the first chunk is the full prefill's KV
-        stats.extra["positions"] = request.positions or self.positions
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
         if mode == "turbo":

@@ -28,13 +28,12 @@ class Request:
 
     prompt: the prompt text, or segments ready to prefill (turbo mode stitches their blobs;
     naive mode prefills their text). chunks: the retrieved texts the prompt may contain.
-    positions, recovery: per-call overrides of the engine's (None: the engine's)."""
+    recovery: a per-call override of the engine's (None: the engine's)."""
 
     prompt: str | Sequence[Segment]
     chunks: tuple[str, ...] = ()
     config: GenerationConfig = field(default_factory=GenerationConfig)
     mode: str = "turbo"
-    positions: str | None = None
     encode_missing: bool = False
     recovery: Any = None
 

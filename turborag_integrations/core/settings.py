@@ -1,8 +1,8 @@
 """Generation settings and their validation, in one place.
 
 Every choice a caller can make about how tokens are produced is named and checked here, once,
-where the setting is made (a `GenerationConfig`, a `SpeculationConfig`, an engine's positions
-mode); the code below that trusts the values it is given. Nothing here imports the rest of the
+where the setting is made (a `GenerationConfig`, a `SpeculationConfig`, an engine's recovery);
+the code below that trusts the values it is given. Nothing here imports the rest of the
 package.
 """
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 MODES = ("turbo", "naive")  # reuse chunk blobs, or prefill everything (the baseline)
-POSITION_MODES = ("reordered", "composite")
 QUANTIZE_MODES = (None, "int8", "bf16")
 DRAFT_MODES = (None, "int8", "bf16")
 RESIDUALS = ("rapid", "standard")

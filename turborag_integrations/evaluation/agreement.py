@@ -36,8 +36,7 @@ def token_agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float
 
 
 def reply_logits(engine, prompt, reply_ids: Sequence[int], *, chunks: Iterable[str] = (),
-                 mode: str = "naive", positions: str | None = None,
-                 recovery=None) -> torch.Tensor:
+                 mode: str = "naive", recovery=None) -> torch.Tensor:
     """The next-token logits ([positions, vocab], float32, on the CPU) at each reply position,
     the reply teacher-forced after `prompt` (a text, or ready segments) prefilled as `mode`
     would prefill it.
@@ -52,7 +51,7 @@ def reply_logits(engine, prompt, reply_ids: Sequence[int], *, chunks: Iterable[s
         segments, _, _ = engine.segments(prompt, chunks if mode == "turbo" else (), mode=mode)
     else:  # ready segments
         segments = list(prompt)
-    pre = engine.prefill(segments, positions=positions, reserve=n + 1,
+    pre = engine.prefill(segments, reserve=n + 1,
                          recovery=recovery if mode == "turbo" else None)
     try:
         rows = [pre.logits.float().reshape(1, -1).cpu()]

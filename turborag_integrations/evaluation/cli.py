@@ -43,8 +43,8 @@ def eval_command(
                           "before it (0: alone; default: the engine's); a mode's '~N' overrides "
                           "it"),
     modes: Optional[str] = typer.Option(
-        None, help="comma-separated: naive, turbo (the default recovery), turbo-composite, "
-                   "turbo[-composite]+RECOVERY (none, select:R, select:auto, first, boundary:K, "
+        None, help="comma-separated: naive, turbo (the default recovery), "
+                   "turbo+RECOVERY (none, select:R, select:auto, first, boundary:K, "
                    "blend:R); a turbo mode may add @ANCHOR, ~N (context "
                    "tokens) and #ENCODER; or, on a long-document set, long-context, "
                    "rag-only, rapid:η, rapid (η chosen on --dev). Default: "

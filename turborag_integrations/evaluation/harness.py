@@ -24,8 +24,8 @@ ignored. For each mode every item is answered greedily and scored:
 - ttft_s: median time to first token (blob loading, stitching, recovery and prefill included;
   blobs are encoded beforehand and not timed), reused_fraction: mean reused / prompt tokens
 
-Modes: "naive" (full prefill), "turbo" (stitched, reordered positions, the engine's default
-recovery), "turbo-composite", either turbo mode with a recovery of its own ("turbo+none": the
+Modes: "naive" (full prefill), "turbo" (stitched, the engine's default recovery), turbo with
+a recovery of its own ("turbo+none": the
 stitched prefill alone, "turbo+select:0.3", "turbo+boundary:16", "turbo+blend:0.15"), with a chunk anchor
 other than the engine's ("turbo@none", "turbo@bos", "turbo@chat", or "turbo@head": the evaluation
 prompt's own head, known at ingestion here), with a chunk encoder other than the engine's
@@ -127,7 +127,6 @@ def _item(d: dict, n: int) -> Item:
 class ModeSpec:
     name: str
     mode: str  # naive | turbo
-    positions: str  # reordered | composite
     recovery: str | None
     anchor: str | None = None  # None: the engine's own
     encoder: str | None = None  # None: the engine's own; "none" or an encoder file otherwise
@@ -160,17 +159,16 @@ class ModeSpec:
             if rec or anchor or encoder or tilde:
                 raise ValueError(f"mode {name!r}: the reference modes {REFERENCE_MODES} take "
                                  "no recovery, anchor, encoder or context")
-            return cls(base, REFERENCE_MODES[base], "reordered", None,
+            return cls(base, REFERENCE_MODES[base], None,
                        reference=base.partition("-")[2])
-        if base not in ("naive", "turbo", "turbo-composite", "turbo-reordered"):
-            raise ValueError(f"unknown mode {name!r}: use naive, turbo, turbo-composite, "
-                             "optionally '+RECOVERY' (turbo only)")
+        if base not in ("naive", "turbo"):
+            raise ValueError(f"unknown mode {name!r}: use naive or turbo, optionally "
+                             "'+RECOVERY' (turbo only)")
         if base == "naive" and (rec or anchor or encoder or tilde):
             raise ValueError(f"mode {name!r}: recovery, anchors, contexts and encoders apply "
                              "to turbo modes only (a full prefill uses no blob)")
         parse_recovery(rec or None)  # validate early
-        return cls(name.strip(), "naive" if base == "naive" else "turbo",
-                   "composite" if base == "turbo-composite" else "reordered", rec or None,
+        return cls(name.strip(), base, rec or None,
                    anchor or None, encoder or None, int(context) if tilde else None)
 
 
@@ -221,8 +219,7 @@ def _sibling(engine, anchor: str | None, encoder: str | None, head: str,
     else:
         learned = getattr(engine, "learned", None)
         chosen = learned if learned is not None and learned.anchor == spec else None
-    return TurboRAGEngine(engine.loaded, store=engine.store, positions=engine.positions,
-                          progress=False, anchor=spec, encoder=chosen,
+    return TurboRAGEngine(engine.loaded, store=engine.store, progress=False, anchor=spec, encoder=chosen,
                           context_tokens=context)
 
 
@@ -317,8 +314,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
                 prompt = oracle_segments(eng, prompt, texts)
             try:
                 res = eng.generate(prompt, chunks=texts if spec.mode == "turbo" else (),
-                                   config=config, mode=spec.mode, positions=spec.positions,
-                                   recovery=spec.recovery)
+                                   config=config, mode=spec.mode, recovery=spec.recovery)
             except ContextWindowError as exc:
                 skipped[it.id] = f"{spec.name}: {exc}"
                 continue
@@ -388,7 +384,7 @@ def _token_agreement(specs, engines, items, skipped, prepared, rows_of, naive_id
             own = oracle_segments(engines[spec], prompt, texts) \
                 if spec.reference == "oracle" else prompt
             logits = reply_logits(engines[spec], own, ids, chunks=texts, mode=spec.mode,
-                                  positions=spec.positions, recovery=spec.recovery)
+                                  recovery=spec.recovery)
             kl, top1 = token_agreement(reference, logits)
             rows[spec.name, it.id].update(reply_kl=kl, reply_top1=top1)
 

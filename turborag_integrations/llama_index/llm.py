@@ -24,7 +24,7 @@ from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
 from ..core.run import GenerationResult, GenerationStream
-from ..core.settings import MODES, POSITION_MODES, check_choice
+from ..core.settings import MODES, check_choice
 from .base import StreamingLLM
 from .wiring import EngineBound
 
@@ -63,8 +63,6 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                         "given: cpu, cuda, cuda:N, mps or auto (the first accelerator there is)")
     dtype: str = Field(default="float32", description="the weights' and blobs' dtype when no "
                        "engine is given: float32, bfloat16, float16 or auto (the checkpoint's)")
-    positions: Optional[str] = Field(default=None,
-                                     description="'reordered' or 'composite' (None: the engine's)")
     mode: str = Field(default="turbo", description="'turbo' (reuse blobs) or 'naive' (prefill all)")
     recovery: Optional[str] = Field(default=None, description="turbo mode only: which chunk "
                                     "tokens to recompute with full context at query time; None: "
@@ -106,15 +104,12 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
             kwargs.setdefault("model_name", engine.loaded.name)
         super().__init__(**kwargs)
         check_choice("mode", self.mode, MODES)
-        if self.positions is not None:
-            check_choice("positions", self.positions, POSITION_MODES)
         parse_recovery(self.recovery)  # a bad spec fails here, not at the first query
         if engine is None:
             parse_device(self.device)  # an unknown or absent device fails before any load
             parse_dtype(self.dtype)
             engine = TurboRAGEngine(self.model_name, store=self.store_path,
                                     device=self.device, dtype=self.dtype,
-                                    positions=self.positions or "reordered",
                                     anchor=self.anchor, encoder=self.encoder,
                                     **({} if self.context_tokens is None
                                        else {"context_tokens": self.context_tokens}))
@@ -205,8 +200,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     def open_stream(self, prompt: str, kwargs: dict) -> GenerationStream:
         chunks = self.chunks_in(prompt) if self.mode == "turbo" else []
         return self._engine.stream(prompt, chunks=chunks, config=self.generation_config(kwargs),
-                                   mode=self.mode, positions=self.positions,
-                                   recovery=self.recovery)
+                                   mode=self.mode, recovery=self.recovery)
 
     def _stats(self, result: GenerationResult) -> dict:
         return stats_payload(result)

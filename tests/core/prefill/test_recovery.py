@@ -24,9 +24,9 @@ def full_causal_logits(model, plan):
     return out.logits[0].float()
 
 
-def stitched(loaded, layout="prefix_glue_chunks", positions="reordered", recovery=None):
+def stitched(loaded, layout="prefix_glue_chunks", recovery=None):
     fp, segs = build(loaded, LAYOUTS[layout] if isinstance(layout, str) else layout)
-    plan = plan_prompt(segs, loaded.tokenizer, positions=positions, fingerprint=fp)
+    plan = plan_prompt(segs, loaded.tokenizer, fingerprint=fp)
     pre = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True,
                   recovery=recovery)
     return plan, pre
@@ -54,11 +54,10 @@ def test_recovery_zero_is_plain_turbo(tiny_llama):
         torch.testing.assert_close(pre.logits, base.logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("positions", ["reordered", "composite"])
-def test_holes_keep_every_other_token_at_its_place(tiny_llama, positions):
+def test_holes_keep_every_other_token_at_its_place(tiny_llama):
     """Recomputing a scattered set of tokens equals recomputing them one by one in plain form:
     checked by recomputing *all but* a kept set in two different splits, which must agree."""
-    plan, _ = stitched(tiny_llama, positions=positions)
+    plan, _ = stitched(tiny_llama)
     cached = [i for s in plan.spans if s.prompt_start > 0
               for i in range(s.prompt_start, s.prompt_start + s.blob.num_tokens)]
     holes = cached[1::3]

@@ -37,11 +37,11 @@ LAYOUTS = {
 }
 
 
-def assert_logits_equal_masked_forward(loaded, layout: str, positions: str, anchor: str):
+def assert_logits_equal_masked_forward(loaded, layout: str, anchor: str):
     """Stitch LAYOUTS[layout] and check its logits against one forward over the whole prompt
     under the independent-attention mask; returns the plan."""
     fp, segs = build(loaded, LAYOUTS[layout], anchor)
-    plan = plan_prompt(segs, loaded.tokenizer, positions=positions, fingerprint=fp)
+    plan = plan_prompt(segs, loaded.tokenizer, fingerprint=fp)
     stitched = prefill(loaded.model, plan, KeyRotator.for_model(loaded.model), all_logits=True)
     anchor_ids = loaded.tokenizer(anchor, add_special_tokens=False)["input_ids"] if anchor else []
     reference = reference_forward(loaded.model, plan, anchor_ids)[plan.plain_index]
@@ -50,12 +50,11 @@ def assert_logits_equal_masked_forward(loaded, layout: str, positions: str, anch
 
 
 @pytest.mark.parametrize("anchor", ["", ANCHOR, "<s>"])
-@pytest.mark.parametrize("positions", ["reordered", "composite"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_stitched_logits_equal_independent_attention_forward(tiny, layout, positions, anchor):
+def test_stitched_logits_equal_independent_attention_forward(tiny, layout, anchor):
     """Invariant 2, for every chunk encoding: each chunk sees only itself (and the anchor it was
     encoded after, which nothing else sees); every other token sees all before it."""
-    plan = assert_logits_equal_masked_forward(tiny, layout, positions, anchor)
+    plan = assert_logits_equal_masked_forward(tiny, layout, anchor)
     used = [CHUNKS[x] for x in LAYOUTS[layout] if isinstance(x, int)]
     assert plan.reused_tokens == sum(len(tiny.tokenizer(c, add_special_tokens=False)["input_ids"])
                                      for c in used)
@@ -140,20 +139,13 @@ def test_independent_attention_mask_shape():
     assert torch.equal(m, expected)
 
 
-def test_positions_reordered_and_composite(tiny_llama):
+def test_every_token_sits_at_its_index_in_the_prompt(tiny_llama):
     fp, segs = build(tiny_llama, ["ab", 0, "c", 1, "de"])
     n0, n1 = segs[1].blob.num_tokens, segs[3].blob.num_tokens
-    reordered = plan_prompt(segs, tiny_llama.tokenizer)
-    assert reordered.positions == list(range(2 + n0 + 1 + n1 + 2))
-    composite = plan_prompt(segs, tiny_llama.tokenizer, positions="composite")
-    assert composite.positions == ([0, 1] + list(range(n0)) + [max(2, n0)] + list(range(n1))
-                                   + [max(max(2, n0) + 1, n1), max(max(2, n0) + 1, n1) + 1])
-    # The rule: every chunk restarts at 0; other tokens continue one past the largest position
-    # before them. Chunk 1 ends below "c", so "de" follows "c", not chunk 1.
-    assert n1 < n0 + 1
-    pos = composite.positions
-    assert pos[2:2 + n0] == list(range(n0)) and pos[3 + n0:3 + n0 + n1] == list(range(n1))
-    assert pos[2 + n0] == max(pos[:2 + n0]) + 1 and pos[-2] == max(pos[:-2]) + 1
+    plan = plan_prompt(segs, tiny_llama.tokenizer)
+    assert plan.positions == list(range(2 + n0 + 1 + n1 + 2))
+    # each chunk's blob is moved to where it stands: its first token's prompt index
+    assert [(s.prompt_start, s.position_start) for s in plan.spans] == [(2, 2), (3 + n0, 3 + n0)]
 
 
 @pytest.mark.parametrize("prompt, chunks", [

@@ -12,11 +12,9 @@ with a 4D mask that lets each plain token see exactly the prompt tokens before i
 holds the chunks first and the plain tokens after them; attention does not care about the order of
 cache entries (each key carries its position in its rotation), so decoding simply appends.
 
-Positions:
-- "reordered" (default, the paper's choice): every token sits at its index in the prompt; a
-  chunk's keys are re-rotated from 0..n−1 to start..start+n−1.
-- "composite": each chunk keeps 0..n−1; other tokens continue from one past the largest position
-  used so far.
+Positions: every token sits at its index in the prompt (the paper's "reordered" positions); a
+chunk's keys are re-rotated from where they were encoded to start..start+n−1. (The paper's other
+choice, every chunk at 0..n−1, answered worse on every set measured and was removed.)
 
 On CPU the masked prefill runs under `core.attention.sdpa_gqa`: grouped-query SDPA instead of
 one copy of every key/value head per query head, for this forward only.
@@ -27,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
@@ -35,12 +33,8 @@ from ..attention import sdpa_gqa, stitched_causal
 from ..kv.blob import Fingerprint, KVBlob
 from ..kv.cache import CachePool, KVCache
 from ..errors import ContextWindowError
-from ..settings import POSITION_MODES, check_choice
 from .rope import KeyRotator
 from ..transformers_api import with_cache
-
-Positions = Literal["reordered", "composite"]
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -60,8 +54,10 @@ class Segment:
 @dataclass
 class CachedSpan:
     blob: KVBlob
-    prompt_start: int  # index of its first token in the prompt
-    position_start: int  # RoPE position of its first token in the prompt (0 in composite mode)
+    prompt_start: int  # index of its first token in the prompt, which is its RoPE position
+    # the prompt position of its blob's token 0: prompt_start, except in a run split off a span
+    # by a recovery, which keeps its blob's (core/prefill/recovery.py)
+    position_start: int
 
 
 @dataclass
@@ -83,14 +79,13 @@ class StitchPlan:
         return len(self.plain_index)
 
 
-def plan_prompt(segments: Sequence[Segment], tokenizer, *, positions: Positions = "reordered",
+def plan_prompt(segments: Sequence[Segment], tokenizer, *,
                 fingerprint: Fingerprint | None = None, context_window: int | None = None,
                 reserve: int = 0) -> StitchPlan:
     """Tokenize plain segments, lay out every token's position, and check the window.
 
     `reserve` tokens (the planned generation) must also fit in `context_window`.
     """
-    check_choice("positions", positions, POSITION_MODES)
     segments = list(segments)
     # The last token's logits start generation, so the prompt must end with prefilled text; a
     # trailing chunk is simply prefilled (correct, just not reused).
@@ -107,10 +102,9 @@ def plan_prompt(segments: Sequence[Segment], tokenizer, *, positions: Positions 
             if fingerprint is not None:
                 fingerprint.check_matches(seg.blob.fingerprint)
             ids = seg.blob.token_ids.tolist()
-            start = next_pos if positions == "reordered" else 0
-            spans.append(CachedSpan(seg.blob, len(token_ids), start))
-            pos.extend(range(start, start + len(ids)))
-            next_pos = max(next_pos, start + len(ids))
+            spans.append(CachedSpan(seg.blob, len(token_ids), next_pos))
+            pos.extend(range(next_pos, next_pos + len(ids)))
+            next_pos += len(ids)
         else:
             if seg.ids is not None:
                 ids = list(seg.ids)
