@@ -1,7 +1,13 @@
-"""What context encoding costs at ingestion: chunk encoding time with context_tokens 0, 256, 1024.
+"""What each ingestion-time knob costs: chunk encoding time and blob bytes with context_tokens
+0, 256, 1024, then the learned chunk encoder and one lead blob per chunk on top of the largest.
 
     python benchmarks/ingest_context.py                          # bundled SmolLM2, 12 dev items
     python benchmarks/ingest_context.py --model qwen2.5-coder-0.5b-instruct --limit 6 --json
+
+Rows: "context N" (training-free encoding after up to N tokens of the document), "+ encoder"
+(the model's shipped chunk encoder on top of the largest context; models without one skip it),
+"+ lead blob" (each chunk also encoded right after one prompt head, as lead blobs are: one more
+blob per chunk and head). Bytes are the blobs' keys and values as stored (the model's dtype).
 
 Each item of a JSONL set (default: the hand-written dev set) is one document whose chunks are its
 sections in order; every chunk is encoded after the end of its document's text before it
@@ -23,6 +29,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "turborag_integrations" / "data" / "handdev" / "handdev.jsonl"
+# the stock LlamaIndex query engine's head as SmolLM2's chat template renders it (a lead blob's
+# cost depends on the head's length only)
+HEAD = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nContext information is below.\n"
+        "---------------------\n")
 
 
 def main(argv=None) -> int:
@@ -46,50 +57,86 @@ def main(argv=None) -> int:
         ap.error("--repeats and --limit must be at least 1")
 
     from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.prefill.chunk_encoder import ChunkEncoder
     from turborag_integrations.core.prefill.context import document_contexts
+    from turborag_integrations.core.prefill.encoding import resolve_encoder
     from turborag_integrations.evaluation.harness import load_items
+
+    def blob_bytes(blobs) -> int:
+        return sum(b.keys.numel() * b.keys.element_size() + b.values.numel()
+                   * b.values.element_size() for b in blobs)
 
     items = load_items(args.data).items[:args.limit]
     if not items:
         print(f"error: no items in {args.data}", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory(prefix="turborag-ingest-") as tmp:
-        first = TurboRAGEngine(args.model, store=tmp, progress=False, context_tokens=0)
-        engines = {n: TurboRAGEngine(first.loaded, store=tmp, progress=False, context_tokens=n)
+        first = TurboRAGEngine(args.model, store=tmp, progress=False, context_tokens=0,
+                               encoder=None)
+        top = max(settings)
+        names = [f"context {n}" for n in settings]
+        engines = {f"context {n}": TurboRAGEngine(first.loaded, store=tmp, progress=False,
+                                                  context_tokens=n, encoder=None)
                    for n in settings}
+        if resolve_encoder("default", first.loaded.name, first.fingerprint.weights) is not None:
+            names.append("+ encoder")
+            engines["+ encoder"] = TurboRAGEngine(first.loaded, store=tmp, progress=False,
+                                                  context_tokens=top, encoder="default")
         work = {}
-        for n, engine in engines.items():
-            enc = engine.encoder
+        for name in names:
+            enc = engines[name].encoder
+            n = enc.context_tokens
             chunks = [c for it in items for c in it.chunks]
             contexts = [c for it in items for c in document_contexts(it.chunks, n)]
             ids = [enc.tokenize(c) for c in chunks]
             ctx = [enc.context_ids(b, len(i), c) for b, i, c in zip(contexts, ids, chunks)]
-            work[n] = (ids, ctx)
-        first.encoder.encode_ids(work[0][0][:2])  # warm-up, untimed
-        times: dict[int, list[float]] = {n: [] for n in settings}
+            work[name] = (enc, ids, ctx)
+        # a lead blob: the chunk right after a prompt head (no context: the head is what is
+        # before it in the prompt), one more encoding and blob per chunk and head
+        base = engines[names[-1]].encoder
+        head = first.tokenizer(HEAD, add_special_tokens=False)["input_ids"]
+        lead = ChunkEncoder(base.model, base.tokenizer, base.fingerprint,
+                            batch_size=base.batch_size, anchor_ids=head)
+        names.append("+ lead blob")
+        work["+ lead blob"] = (lead, work[names[-2]][1], [[] for _ in work[names[-2]][1]])
+        first.encoder.encode_ids(work[names[0]][1][:2])  # warm-up, untimed
+        times: dict[str, list[float]] = {name: [] for name in names}
+        sizes: dict[str, int] = {}
         for _ in range(args.repeats):
-            for n in settings:  # interleaved: a noisy stretch costs every setting alike
-                ids, ctx = work[n]
+            for name in names:  # interleaved: a noisy stretch costs every setting alike
+                enc, ids, ctx = work[name]
                 start = time.perf_counter()
-                engines[n].encoder.encode_ids(ids, contexts=ctx)
-                times[n].append(time.perf_counter() - start)
-    base = statistics.median(times[0])
-    rows = [{"context_tokens": n, "chunks": len(work[n][0]),
-             "chunk_tokens": sum(map(len, work[n][0])),
-             "context_tokens_encoded": sum(map(len, work[n][1])),
-             "median_s": statistics.median(times[n]), "runs_s": times[n],
-             "ratio_vs_0": statistics.median(times[n]) / base} for n in settings]
+                blobs = enc.encode_ids(ids, contexts=ctx)
+                times[name].append(time.perf_counter() - start)
+                sizes[name] = blob_bytes(blobs)
+    base_s = statistics.median(times[names[0]])
+    rows, total_s, total_bytes = [], 0.0, 0
+    for name in names:
+        enc, ids, ctx = work[name]
+        median = statistics.median(times[name])
+        # the lead blob comes on top of the row before it: its cost adds, its bytes add
+        total_s = total_s + median if name == "+ lead blob" else median
+        total_bytes = total_bytes + sizes[name] if name == "+ lead blob" else sizes[name]
+        rows.append({"setting": name, "context_tokens": enc.context_tokens,
+                     "chunks": len(ids), "chunk_tokens": sum(map(len, ids)),
+                     "context_tokens_encoded": sum(map(len, ctx)),
+                     "median_s": median, "runs_s": times[name], "total_s": total_s,
+                     "ratio_vs_0": total_s / base_s, "bytes": total_bytes,
+                     "bytes_vs_0": total_bytes / sizes[names[0]]})
     report = {"data": str(args.data), "model": args.model, "items": len(items),
               "repeats": args.repeats, "results": rows}
     if args.json:
         print(json.dumps(report))
         return 0
     print(f"{len(items)} documents of {args.data.name}, {args.model}, median of {args.repeats}")
-    print(f"{'context_tokens':>14} {'chunks':>7} {'chunk tok':>10} {'context tok':>12} "
-          f"{'median s':>9} {'vs 0':>6}")
+    print(f"{'setting':>14} {'chunks':>7} {'chunk tok':>10} {'context tok':>12} "
+          f"{'median s':>9} {'time vs 0':>10} {'MB stored':>10} {'bytes vs 0':>11}")
     for r in rows:
-        print(f"{r['context_tokens']:>14} {r['chunks']:>7} {r['chunk_tokens']:>10} "
-              f"{r['context_tokens_encoded']:>12} {r['median_s']:>9.2f} {r['ratio_vs_0']:>5.1f}x")
+        print(f"{r['setting']:>14} {r['chunks']:>7} {r['chunk_tokens']:>10} "
+              f"{r['context_tokens_encoded']:>12} {r['median_s']:>9.2f} "
+              f"{r['ratio_vs_0']:>9.1f}x {r['bytes'] / 2**20:>10.1f} {r['bytes_vs_0']:>10.1f}x")
+    print("time and bytes vs 0: the setting with everything above it, against chunks encoded "
+          "alone (a lead blob adds its encoding and its blobs to the row above)")
     return 0
 
 
