@@ -253,3 +253,21 @@ def test_the_environment_is_read_in_one_place():
     assert {p: lines for p, lines in readers.items()
             if lines and p not in ENVIRONMENT_READERS} == {}
     assert readers[f"{PACKAGE}/core/environment.py"]  # and the check sees a read
+
+
+def test_every_data_file_the_package_reads_ships_in_the_wheel():
+    """The evaluation sets, encoders and sample documents are read at run time from the
+    installed package; a data file no package-data pattern names is missing from the wheel
+    (data/longdoc once was, while `turborag eval` read it)."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["turborag_integrations"]
+    package = root / "turborag_integrations"
+    data = [p.relative_to(package).as_posix() for p in (package / "data").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts]
+    assert data
+    missing = [f for f in data if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
+    assert not missing, f"data files no package-data pattern ships: {missing}"
