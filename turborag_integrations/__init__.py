@@ -5,10 +5,14 @@ The framework-free engine lives in `turborag_integrations.core`; the adapters in
 only when used.
 """
 
-from .core.engine import GenerationResult, TurboRAGEngine
-from .core.run import GenerationStats
-from .core.settings import GenerationConfig
-from .core.store import KVStore
+from .core.environment import settle_openmp
+
+settle_openmp()  # before anything loads torch: OpenMP reads its environment once, then
+
+from .core.engine import GenerationResult, TurboRAGEngine  # noqa: E402
+from .core.run import GenerationStats  # noqa: E402
+from .core.settings import GenerationConfig  # noqa: E402
+from .core.store import KVStore  # noqa: E402
 
 __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats", "KVStore"]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ processes may change it), and an empty value counts as unset.
 | `TURBORAG_BATCH_MATMUL` | the batched decoder's products (`PackedLinears.for_decoder`) |
 | `TURBORAG_WORKSPACE` | the CLI's workspace folder |
 | `TURBORAG_VLLM_PYTHON` | the python of vLLM's venv (`turborag vllm`) |
+| `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` | read, and `GOMP_SPINCOUNT` set when both are unset (`settle_openmp`) |
 
 The command line's own variables are options of its commands, read by typer at the entry point
 (cli.py: `TURBORAG_API_KEY` for `--api-key`, `TURBORAG_CHROMA_URL` for `--chroma-url`).
@@ -26,10 +27,32 @@ for vLLM's launcher, which hands its own environment on to the server it starts.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 STORE_DISK_BYTES = "TURBORAG_STORE_BYTES"
 STORE_PREFIX_BYTES = "TURBORAG_STORE_PREFIX_BYTES"
+
+
+# How long an OpenMP thread of torch's CPU build (GNU libgomp) spins at a barrier before it
+# sleeps: libgomp's default is 300,000 iterations, and when another process holds one of the
+# cores, the thread that waits spins through the time the descheduled one needed: a stitched
+# prefill of 4K tokens on 2 shared cores took 2.2x its one-thread time, decode 2.1x. 1,000
+# brings both within 1.1x under that load, and on a quiet machine is no slower than the
+# default (benchmarks/shared_cores.py, docs/benchmarks.md); OMP_WAIT_POLICY=PASSIVE matches it
+# under load but decodes 23% slower on a quiet machine.
+OPENMP_SPINCOUNT = "1000"
+
+
+def settle_openmp() -> bool:
+    """Set `GOMP_SPINCOUNT` to `OPENMP_SPINCOUNT` when neither it nor `OMP_WAIT_POLICY` is set
+    and torch is not loaded yet (OpenMP reads its environment once, as torch loads); True if it
+    did. `import turborag_integrations` calls it first thing; a user who sets either variable,
+    or loads torch before the package, keeps OpenMP's own choice."""
+    if "torch" in sys.modules or _get("OMP_WAIT_POLICY") or _get("GOMP_SPINCOUNT"):
+        return False
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+    return True
 
 
 def _get(name: str) -> str | None:

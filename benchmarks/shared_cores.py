@@ -1,0 +1,139 @@
+"""TTFT and decode on cores shared with another busy process: OpenMP's barrier wait side by side.
+
+    python benchmarks/shared_cores.py                 # 8 × 512-token chunks, median of 3 runs
+    python benchmarks/shared_cores.py --chunks 4 --runs 5 --json
+
+torch's CPU kernels run on OpenMP threads that, by default, spin at every barrier before they
+sleep (libgomp: 300,000 iterations). A prefill of a few rows (the stitched prefill: the
+question over a cache of blobs) or a decode step is mostly barriers, so when another process
+holds a core, the spinning thread that waits for the descheduled one burns the time the work
+needed. Each setting runs in its own process (OpenMP reads its environment once, when torch
+loads):
+
+- "spin": OpenMP's default (nothing set, torch loaded before the package);
+- "package": the package's default: nothing set, the package imported first, which sets
+  `GOMP_SPINCOUNT=1000` (core/environment.py `settle_openmp`);
+- "passive": `OMP_WAIT_POLICY=PASSIVE` (threads sleep at once);
+- "one thread": `OMP_NUM_THREADS=1`, no barrier at all.
+
+each with the machine otherwise quiet and with one other process busy on one core (a Python
+loop), measured in turn: the stitched prefill alone (`recovery="none"`), the default
+(`select:0.15`), a full prefill, and decode tokens/s after the default prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SETTINGS = {"spin": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "package": {},
+            "one thread": {"OMP_NUM_THREADS": "1"}}
+
+
+def worker(setting: str, n_chunks: int, chunk_tokens: int, runs: int, new_tokens: int) -> dict:
+    if setting == "spin":
+        import torch  # noqa: F401  (loaded first: the package leaves OpenMP's default alone)
+    sys.path.insert(0, str(HERE))
+    import tempfile
+
+    from ttft import QUESTION, make_chunks
+
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.settings import GenerationConfig
+    from turborag_integrations.core.store import KVStore
+
+    with tempfile.TemporaryDirectory(prefix="turborag-cores-") as tmp:
+        engine = TurboRAGEngine(store=KVStore(tmp, memory_bytes=0), progress=False)
+        chunks = make_chunks(engine.tokenizer, n_chunks, chunk_tokens)
+        engine.encode_chunks(chunks)
+        prompt = engine.render_chat([
+            {"role": "system", "content": "Answer using only the documents."},
+            {"role": "user", "content": "Documents:\n\n" + "\n\n".join(chunks)
+             + f"\n\nQuestion: {QUESTION}"}])
+        one = GenerationConfig(max_new_tokens=1)
+        decode = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+        times: dict[str, list[float]] = {"stitched": [], "default": [], "full": [], "decode": []}
+        for run in range(runs + 1):  # the first round is a warm-up
+            s = engine.generate(prompt, chunks=chunks, config=one, recovery="none").stats
+            d = engine.generate(prompt, chunks=chunks, config=one).stats
+            f = engine.generate(prompt, config=one, mode="naive").stats
+            g = engine.generate(prompt, chunks=chunks, config=decode).stats
+            if run:
+                times["stitched"].append(s.ttft_s)
+                times["default"].append(d.ttft_s)
+                times["full"].append(f.ttft_s)
+                times["decode"].append(g.decode_tokens_per_s)
+        import torch
+        return {"setting": setting, "threads": torch.get_num_threads(),
+                "wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                "spincount": os.environ.get("GOMP_SPINCOUNT", ""),
+                "prompt_tokens": d.prompt_tokens,
+                **{f"{k}_median": statistics.median(v) for k, v in times.items()},
+                "runs": times}
+
+
+def run_setting(setting: str, busy: bool, args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    env.update(SETTINGS[setting])
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        out = subprocess.run([sys.executable, __file__, "--worker", setting, "--chunks",
+                              str(args.chunks), "--chunk-tokens", str(args.chunk_tokens),
+                              "--runs", str(args.runs), "--new-tokens", str(args.new_tokens)],
+                             env=env, capture_output=True, text=True, check=True)
+    finally:
+        if load is not None:
+            load.kill()
+            load.wait()
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "busy": busy}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", choices=list(SETTINGS), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if min(args.chunks, args.chunk_tokens, args.runs, args.new_tokens) < 1:
+        ap.error("--chunks, --chunk-tokens, --runs and --new-tokens must be at least 1")
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.chunks, args.chunk_tokens, args.runs,
+                                args.new_tokens)))
+        return 0
+    rows = [run_setting(s, busy, args) for busy in (False, True) for s in SETTINGS]
+    for r in rows:  # against one thread under the same load: the time no barrier wastes
+        ref = next(o for o in rows if o["busy"] == r["busy"] and o["setting"] == "one thread")
+        r["stitched_vs_one_thread"] = r["stitched_median"] / ref["stitched_median"]
+        r["default_vs_one_thread"] = r["default_median"] / ref["default_median"]
+        r["decode_vs_one_thread"] = ref["decode_median"] / r["decode_median"]
+    report = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "runs": args.runs,
+              "cpus": os.cpu_count(), "results": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.chunks} × {args.chunk_tokens}-token chunks ({rows[0]['prompt_tokens']} prompt "
+          f"tokens), {os.cpu_count()} CPUs, median of {args.runs}; 'vs 1 thr': time against one "
+          "thread under the same load")
+    print(f"{'load':>10} {'setting':>11} {'thr':>4} {'stitched s':>11} {'vs 1 thr':>9} "
+          f"{'default s':>10} {'vs 1 thr':>9} {'full s':>8} {'decode tok/s':>13} {'vs 1 thr':>9}")
+    for r in rows:
+        print(f"{'busy core' if r['busy'] else 'quiet':>10} {r['setting']:>11} {r['threads']:>4} "
+              f"{r['stitched_median']:>11.3f} {r['stitched_vs_one_thread']:>8.2f}x "
+              f"{r['default_median']:>10.3f} {r['default_vs_one_thread']:>8.2f}x "
+              f"{r['full_median']:>8.2f} {r['decode_median']:>13.1f} "
+              f"{r['decode_vs_one_thread']:>8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
