@@ -38,9 +38,10 @@ STORE_PREFIX_BYTES = "TURBORAG_STORE_PREFIX_BYTES"
 # sleeps: libgomp's default is 300,000 iterations, and when another process holds one of the
 # cores, the thread that waits spins through the time the descheduled one needed: a stitched
 # prefill of 4K tokens on 2 shared cores took 2.2x its one-thread time, decode 2.1x. 1,000
-# brings both within 1.1x under that load, and on a quiet machine is no slower than the
-# default (benchmarks/shared_cores.py, docs/benchmarks.md); OMP_WAIT_POLICY=PASSIVE matches it
-# under load but decodes 23% slower on a quiet machine.
+# brings them to 1.1–1.25x and 1.0x under that load, and on a quiet machine stays within noise
+# of the default (decode −12% in one run, +8% in another; benchmarks/shared_cores.py,
+# docs/benchmarks.md); OMP_WAIT_POLICY=PASSIVE matches it under load but decodes 23–41% slower
+# on a quiet machine.
 OPENMP_SPINCOUNT = "1000"
 
 
