@@ -1,6 +1,7 @@
 """The `turborag` command line, end to end on a tiny model saved to disk (a local-folder model)."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -145,6 +146,9 @@ def test_demo_runs_in_a_temporary_workspace_and_keeps_the_blobs(tmp_path, docs, 
     assert code == 0, out
     assert "sources: a.md" in out  # named within --docs; the ship's document is retrieved
     assert "TTFT TurboRAG:" in out and "TTFT full prefill:" in out and "x slower" in out
+    # the default recovery's work, and the stitched prefill alone beside it
+    assert re.search(r"recovery select:0\.15: \d+ chunk tokens recomputed", out), out
+    assert "TTFT stitched alone (recovery none):" in out
     assert any(kv.rglob("*.safetensors"))  # the blobs outlive the run's workspace
     code, out = run("demo", "--docs", tmp_path / "missing", "--model", model_dir, "--store", kv)
     assert code == 2 and "no such file or folder" in out

@@ -370,3 +370,10 @@ class Workspace:
         """TTFT of the same prompt with everything prefilled (the comparison baseline)."""
         one = GenerationConfig(max_new_tokens=1)
         return self.engine.generate(answer.prompt, config=one, mode="naive").stats.ttft_s
+
+    def stitched_ttft(self, answer: Answer) -> float:
+        """TTFT of the same prompt from its chunks' blobs with no query-time recovery: what the
+        default recovery costs on top, and what vLLM's connector serves."""
+        one = GenerationConfig(max_new_tokens=1)
+        return self.engine.generate(answer.prompt, chunks=answer.chunks, config=one,
+                                    recovery="none").stats.ttft_s
