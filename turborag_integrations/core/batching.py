@@ -113,7 +113,8 @@ class BatchScheduler:
     # ---- the callers' side -------------------------------------------------------------------
     def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
-               encode_missing: bool = False, recovery=None, cancelled: threading.Event | None = None,
+               encode_missing: bool = False, recovery=None,
+               cancelled: threading.Event | None = None,
                engine=None) -> GenerationStream:
         """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
         joins the batch when the stream is first iterated.

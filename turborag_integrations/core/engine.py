@@ -322,7 +322,8 @@ class TurboRAGEngine(ChunkLibrary):
     # ---- generation -------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Segment], *, reserve: int = 0,
                 recovery=None) -> Prefill:
-        plan = plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint, context_window=self.context_window)
+        plan = plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint,
+                           context_window=self.context_window)
         room = self.context_window - plan.next_position
         # One slot per new token, none past the window: `prefill` also counts these as positions
         # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,

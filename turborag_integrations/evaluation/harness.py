@@ -219,8 +219,8 @@ def _sibling(engine, anchor: str | None, encoder: str | None, head: str,
     else:
         learned = getattr(engine, "learned", None)
         chosen = learned if learned is not None and learned.anchor == spec else None
-    return TurboRAGEngine(engine.loaded, store=engine.store, progress=False, anchor=spec, encoder=chosen,
-                          context_tokens=context)
+    return TurboRAGEngine(engine.loaded, store=engine.store, progress=False, anchor=spec,
+                          encoder=chosen, context_tokens=context)
 
 
 def _median(xs: Sequence[float]) -> float:

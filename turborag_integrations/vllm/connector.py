@@ -446,7 +446,8 @@ class TurboRAGConnector(KVConnectorBase_V1):
                 log.warning("TurboRAG: request %s: %s", request.request_id, refusal)
             # a local hit under this salt may be KV stitched for an earlier request: reported,
             # since the connector cannot stop vLLM from reusing it (skip_reading_prefix_cache can)
-            cached = 0 if getattr(request, "skip_reading_prefix_cache", False) else num_computed_tokens
+            skipped = getattr(request, "skip_reading_prefix_cache", False)
+            cached = 0 if skipped else num_computed_tokens
             self._refused[request.request_id] = (refusal, cached)
             return 0, False
         spaces = [self._space(n) for n in namespaces]
