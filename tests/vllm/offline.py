@@ -65,21 +65,22 @@ def prompt_ids(tokenizer, head: str) -> list[int]:
 def model_free(model_dir: str, store: str) -> dict:
     """A scheduler started on a store that holds the separators, and a request whose head and
     chunks are stored: claimed with no model loaded; a new head loads it."""
-    first = connector(model_dir, store)  # an empty store: the separators need the model
-    out = {"first_loaded_at_start": first._setup.loaded}
-    engine = first._setup.engine
+    # an empty store: the separators need the model
+    first = connector(model_dir, store).connector_scheduler
+    out = {"first_loaded_at_start": first.setup.loaded}
+    engine = first.setup.engine
     engine.encode_chunks(CHUNKS)
     seen = prompt_ids(engine.tokenizer, "<|im_start|>user\nContext:\n")
     out["first_claim"] = first.get_num_new_matched_tokens(request(seen, "turborag"), 0)
-    second = connector(model_dir, store)
-    out["second_loaded_at_start"] = second._setup.loaded
+    second = connector(model_dir, store).connector_scheduler
+    out["second_loaded_at_start"] = second.setup.loaded
     out["same_fingerprints"] = (second.chunk_fp == engine.fingerprint
                                 and second.prefix_fp == engine.prefix_fingerprint)
     out["second_claim"] = second.get_num_new_matched_tokens(request(seen, "turborag"), 0)
-    out["second_loaded_after_stored_head"] = second._setup.loaded
+    out["second_loaded_after_stored_head"] = second.setup.loaded
     new_head = prompt_ids(engine.tokenizer, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     out["new_head_claim"] = second.get_num_new_matched_tokens(request(new_head, "turborag"), 0)
-    out["second_loaded_after_new_head"] = second._setup.loaded
+    out["second_loaded_after_new_head"] = second.setup.loaded
     return out
 
 
@@ -90,20 +91,20 @@ def main(model_dir: str, store: str, out: str) -> None:
     ids = list(range(5, 60))
 
     ok = connector(model_dir, store)
-    results["enabled"] = {"on": ok._enabled, "no_salt": ok.get_num_new_matched_tokens(
-        request(ids, None), 0), "other_salt": ok.get_num_new_matched_tokens(
-        request(ids, "tenant-a"), 0)}
+    results["enabled"] = {"on": ok.connector_scheduler.enabled,
+                          "no_salt": ok.get_num_new_matched_tokens(request(ids, None), 0),
+                          "other_salt": ok.get_num_new_matched_tokens(request(ids, "tenant-a"), 0)}
 
     longrope = AutoConfig.from_pretrained(model_dir)
     longrope.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0,
                                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                 "original_max_position_embeddings": 256}
     off = connector(model_dir, store, longrope)
-    results["longrope"] = {"on": off._enabled,
+    results["longrope"] = {"on": off.connector_scheduler.enabled,
                            "claim": off.get_num_new_matched_tokens(request(ids, "turborag"), 0)}
 
     bad = connector(model_dir, str(Path("/dev/null") / "store"))
-    results["bad_store"] = {"on": bad._enabled,
+    results["bad_store"] = {"on": bad.connector_scheduler.enabled,
                             "claim": bad.get_num_new_matched_tokens(request(ids, "turborag"), 0)}
     results["model_free"] = model_free(model_dir, store + "-model-free")
     results["log"] = records.messages

@@ -18,12 +18,12 @@ import torch
 
 from ..core.checkpoint import fingerprint_checkpoint
 from ..core.kv.blob import PLAIN, Fingerprint
-from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
+from ..core.prefill.anchor import anchor_ids
 from ..core.prefill.chunk_encoder import chunk_encoding, chunk_token_ids
-from ..core.prefill.context import DEFAULT_CONTEXT_TOKENS
 from ..core.prefill.encoding import resolve_encoder
 from ..core.prefill.separators import separator_ids
 from ..core.store import KVStore
+from .config import ConnectorConfig
 
 log = logging.getLogger("turborag.vllm")
 
@@ -32,18 +32,15 @@ class ModelSetup:
     """The served model's tokenizer, blob fingerprints, anchor and encoder; its HF engine (for
     heads and separators) made when `engine` is first read."""
 
-    def __init__(self, model: str, dtype: torch.dtype | str, extra: dict, store: KVStore):
-        self._model, self._extra, self._store = model, extra, store
+    def __init__(self, model: str, dtype: torch.dtype | str, config: ConnectorConfig,
+                 store: KVStore):
+        self._model, self._encoder, self._store = model, config.encoder, store
         self._dtype = str(dtype).replace("torch.", "")
         self._engine = None
         self._unusable = ""
         self._lock = threading.Lock()
-        self.anchor = extra.get("anchor", DEFAULT_ANCHOR)
-        self.context_tokens = extra.get("context_tokens", DEFAULT_CONTEXT_TOKENS)
-        if isinstance(self.context_tokens, bool) or not isinstance(self.context_tokens, int) \
-                or self.context_tokens < 0:
-            raise ValueError('the connector\'s "context_tokens" is a whole number ≥ 0, as '
-                             f"TurboRAGEngine takes it, not {self.context_tokens!r}")
+        self.anchor = config.anchor
+        self.context_tokens = config.context_tokens
         folder = Path(model)
         if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
             self._adopt(self._load())  # a hub id or another format: fingerprint the model
@@ -53,7 +50,7 @@ class ModelSetup:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         config = AutoConfig.from_pretrained(folder)
         model_fp = fingerprint_checkpoint(folder, self._dtype, model, self.tokenizer, config)
-        self.learned = resolve_encoder(extra.get("encoder", "default"), model, model_fp.weights)
+        self.learned = resolve_encoder(self._encoder, model, model_fp.weights)
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor or "none")
         self.anchor_ids = anchor_ids(self.anchor, self.tokenizer)
@@ -70,7 +67,7 @@ class ModelSetup:
         log.info("TurboRAG: loading an HF copy of %s (%s) for prompt heads and separators",
                  self._model, self._dtype)
         return TurboRAGEngine(self._model, dtype=self._dtype, store=self._store,
-                              encoder=self._extra.get("encoder", "default"),
+                              encoder=self._encoder,
                               anchor=self.anchor, context_tokens=self.context_tokens,
                               progress=False)
 
