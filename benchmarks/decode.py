@@ -36,6 +36,7 @@ from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.decode.loop import decode_loop
+from turborag_integrations.core.decode.start import DecodeStart
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.store import KVStore
@@ -121,7 +122,7 @@ def engine_decode(engine: TurboRAGEngine, pre, new_tokens: int, mode: str,
     cache = pre.cache.clone()
     config = GenerationConfig(max_new_tokens=new_tokens, **options)
     tokens, t1 = [], None
-    for token in decode_loop(engine.model, cache, pre.logits, pre.next_position, config,
+    for token in decode_loop(engine.model, DecodeStart(cache, pre.logits, pre.next_position), config,
                              set(eos), matmul=matmul):
         if t1 is None:
             t1 = time.perf_counter()

@@ -132,9 +132,9 @@ def main(argv=None) -> int:
             for mode in ("off", "on"):
                 drop_page_cache(paths)
                 with KVStore(Path(tmp) / "native", memory_bytes=2 << 30) as native.store:
-                    native.prefetch = mode == "on"
+                    native.config = native.config.with_settings(prefetch=mode == "on")
                     ttft[mode].append(native.generate(prompt, chunks=texts, config=one).stats.ttft_s)
-        native.prefetch = False
+        native.config = native.config.with_settings(prefetch=False)
         out["prefetch_ttft_s"] = {k: statistics.median(v) for k, v in ttft.items()}
 
         # int8 fidelity against native blobs on RAG prompts.

@@ -106,7 +106,7 @@ def start_vllm(python: Path, model_dir: str, config: dict | None, dtype: str = "
     port = free_port()
     extra = ["--max-model-len", "4096", "--max-num-seqs", "8", "--disable-log-stats"]
     argv = server_argv(python, model_dir, config or {}, host="127.0.0.1", port=port,
-                       dtype=dtype, served_name=model, extra=extra)
+                       dtype=dtype, served_model_name=model, extra=extra)
     if config is None:  # vLLM alone: no connector
         i = argv.index("--kv-transfer-config")
         del argv[i:i + 2]

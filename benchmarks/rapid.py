@@ -36,7 +36,8 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.decode.loop import decode_loop, eos_token_ids
-from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.decode.start import DecodeStart
+from turborag_integrations.core.settings import GenerationConfig, SpeculationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.rapid import RapidEngine, Side, speculate
 from turborag_integrations.core.store import KVStore
@@ -71,7 +72,7 @@ def long_document(tokenizer, tokens: int, seed: int = 0) -> str:
 
 def timed_decode(model, pre, n, eos_ids=frozenset()):
     t0 = time.perf_counter()
-    out = list(decode_loop(model, pre.cache, pre.logits, pre.next_position,
+    out = list(decode_loop(model, DecodeStart(pre.cache, pre.logits, pre.next_position),
                            GenerationConfig(max_new_tokens=n), eos_ids=set(eos_ids)))
     return out, time.perf_counter() - t0
 
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
             target = Side(engine.model, pre.cache, pre.logits, pre.next_position)
             t0 = time.perf_counter()
             toks, drafted, accepted = [], 0, 0
-            for i, rnd in enumerate(speculate(target, drafter, config, gamma=args.gamma,
+            for i, rnd in enumerate(speculate(target, drafter, config,
+                                              SpeculationConfig(gamma=args.gamma),
                                               max_new_tokens=args.new_tokens)):
                 if i == 0:
                     t_first = time.perf_counter()
@@ -248,8 +250,10 @@ def spec_run(rapid: RapidEngine, t_pre, d_pre, setting: dict, n: int, eos_ids=()
     try:
         t_first = None
         for i, rnd in enumerate(speculate(target, drafter, GenerationConfig(max_new_tokens=n),
-                                          gamma=setting["gamma"], max_new_tokens=n,
-                                          min_draft_prob=setting["min_draft_prob"],
+                                          SpeculationConfig(
+                                              gamma=setting["gamma"],
+                                              min_draft_prob=setting["min_draft_prob"]),
+                                          max_new_tokens=n,
                                           eos_ids=eos_ids)):
             if i == 0:
                 t_first = time.perf_counter()
@@ -302,11 +306,11 @@ def use_drafter_context(rapid: RapidEngine, setting: dict) -> None:
     if setting["context"] == "reference":
         from turborag_integrations.core.rapid.engine import REFERENCE_CONTEXT
 
-        for k, v in REFERENCE_CONTEXT.items():
-            setattr(rapid, k, v)
+        rapid.config = rapid.config.with_settings(**REFERENCE_CONTEXT)
     else:
-        rapid.threshold, rapid.compression, rapid.min_drafter_tokens = -1.0, 1.0, 0
-        rapid.max_drafter_tokens = setting["drafter_tokens"]
+        rapid.config = rapid.config.with_settings(
+            threshold=-1.0, compression=1.0, min_drafter_tokens=0,
+            max_drafter_tokens=setting["drafter_tokens"])
 
 
 def pair_main(args, log) -> dict:

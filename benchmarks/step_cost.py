@@ -41,7 +41,8 @@ from transformers import AutoConfig
 
 from turborag_integrations.core.decode.matmul import best_time as best_of, gemm
 from turborag_integrations.core.decode.packed import _ops
-from turborag_integrations.core.models import CATALOG, DEFAULT_MODEL, prepare_bundled
+from turborag_integrations.core.bundled import CATALOG, prepare_bundled
+from turborag_integrations.core.models import DEFAULT_MODEL
 
 
 def attention_cost(config, rows: int, context: int, dtype, repeats: int) -> dict:

@@ -177,7 +177,7 @@ def main() -> None:
     wanted = set(args.systems.split(","))
 
     from turborag_integrations.core.engine import TurboRAGEngine
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
     from turborag_integrations.vllm.launch import kv_transfer_config
 
     python = args.python or Path(os.environ.get("TURBORAG_VLLM_PYTHON",

@@ -28,9 +28,10 @@ GROUPS = {
     "prefill": [f"{CORE}.prefill"],
     "decode": [f"{CORE}.decode"],
     "retrieval": [f"{CORE}.retrieval"],
-    "model": [f"{CORE}.models", f"{CORE}.checkpoint"],
+    "model": [f"{CORE}.models", f"{CORE}.bundled", f"{CORE}.checkpoint"],
     "store": [f"{CORE}.store"],
-    "engine": [f"{CORE}.engine", f"{CORE}.library", f"{CORE}.request", f"{CORE}.run",
+    "engine": [f"{CORE}.engine", f"{CORE}.config", f"{CORE}.shared", f"{CORE}.library",
+               f"{CORE}.request", f"{CORE}.run",
                f"{CORE}.registry", f"{CORE}.async_iter", f"{CORE}.batching", f"{CORE}.batch_worker",
                f"{CORE}.scheduled", f"{CORE}.prompt_template"],
     "rapid": [f"{CORE}.rapid"],
@@ -271,3 +272,114 @@ def test_every_data_file_the_package_reads_ships_in_the_wheel():
     assert data
     missing = [f for f in data if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
     assert not missing, f"data files no package-data pattern ships: {missing}"
+
+
+# ---- how decisions travel: configurations and the request ----------------------------------
+MAX_PARAMETERS = 8
+
+
+def _functions():
+    """(module path, qualified name, node) of every function and method of the package."""
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        stack = [(tree, "")]
+        while stack:
+            node, prefix = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ClassDef):
+                    stack.append((child, f"{prefix}{child.name}."))
+                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield str(path.relative_to(ROOT)), prefix + child.name, child
+
+
+def _parameters(node) -> list[str]:
+    """Named parameters, self/cls left out; `**settings` counts as one (the fields of a
+    configuration dataclass, routed and checked there)."""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+# Signatures another library defines, which the package implements as given.
+FOREIGN_SIGNATURES = {
+    f"{PACKAGE}/core/attention.py: attention_forward": "transformers' attention interface",
+}
+
+
+def _is_cli_command(path: str, node) -> bool:
+    """A Typer command function (decorated, or registered as `app.command(...)(x_command)`):
+    its parameters are the user's flags, and it only builds configurations from them."""
+    return path.endswith("cli.py") and (node.name.endswith("_command") or any(
+        isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+        for d in node.decorator_list))
+
+
+def test_no_public_function_takes_more_than_eight_parameters():
+    """Settings travel as configurations (core/config.py, server/config.py, the RAPID and store
+    configs), not as loose arguments: outside the CLI's command functions, no public function
+    or constructor takes more than eight."""
+    over = sorted(f"{path}: {name} ({len(_parameters(node))})"
+                  for path, name, node in _functions()
+                  if len(_parameters(node)) > MAX_PARAMETERS
+                  and (not name.split(".")[-1].startswith("_") or name.endswith("__init__"))
+                  and not _is_cli_command(path, node)
+                  and f"{path}: {name}" not in FOREIGN_SIGNATURES)
+    assert over == []
+
+
+def test_the_parameter_check_sees_a_long_signature():
+    node = ast.parse("def f(a, b, c, d, e, f, g, h, i): pass").body[0]
+    assert len(_parameters(node)) == 9 > MAX_PARAMETERS
+
+
+def _calls(name: str, first_arg: str | None = None) -> list[str]:
+    """Where the package calls `name` (with `first_arg` as its first argument, if given)."""
+    found = []
+    for path, qualname, node in _functions():
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            func = call.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called != name:
+                continue
+            if first_arg is not None and not (
+                    call.args and isinstance(call.args[0], ast.Constant)
+                    and call.args[0].value == first_arg):
+                continue
+            found.append(f"{path}: {qualname}")
+    return sorted(set(found))
+
+
+def test_a_request_is_checked_in_one_place():
+    """The mode is checked where a request is made (core/request.py `Request`), and nowhere
+    else: every surface (adapters, server, CLI) checks by making one."""
+    assert _calls("check_choice", "mode") == [f"{PACKAGE}/core/request.py: Request.__post_init__"]
+
+
+def test_a_recovery_spec_is_parsed_where_a_setting_is_made():
+    """A recovery spec is parsed into a typed `Recovery` where a setting is made: an engine's
+    default (`QueryConfig`), a request's (`Request`), the engine's low-level `prefill` (which
+    takes a Recovery or a spec), and the vLLM connector's claim (no engine there). Every other
+    surface checks a spec by making a Request, and hands the parsed one on."""
+    assert _calls("parse_recovery") == [
+        f"{PACKAGE}/core/config.py: QueryConfig.__post_init__",
+        f"{PACKAGE}/core/engine.py: TurboRAGEngine.recovery_for",
+        f"{PACKAGE}/core/request.py: Request.__post_init__",
+        f"{PACKAGE}/vllm/claim.py: {_claim_parser()}",
+    ]
+
+
+def _claim_parser() -> str:
+    (name,) = [q for p, q, n in _functions() if p.endswith("vllm/claim.py")
+               and any(isinstance(c, ast.Call) and getattr(c.func, "id", None) == "parse_recovery"
+                       for c in ast.walk(n))]
+    return name
+
+
+def test_no_core_module_is_over_400_lines():
+    """A module that outgrows this holds more than one thing: split it where it divides."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE / "core").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

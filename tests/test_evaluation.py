@@ -371,7 +371,7 @@ def test_teacher_forced_naive_reply_reproduces_the_greedy_reply(tmp_path):
     assert ref.shape[0] == len(ids) and ref.dtype == torch.float32
     assert ref.argmax(-1).tolist() == ids
     # the same logits as one causal forward over prompt + reply, without any cache
-    pre = engine.prefill(engine.segments(prompt, mode="naive")[0])
+    pre = engine.prefill(engine.segments(prompt)[0])
     engine.cache_pool.release(pre.cache)
     seq = list(pre.plan.token_ids) + ids
     with torch.inference_mode():

@@ -37,14 +37,15 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _check_recovery(spec: str) -> None:
-    """Fail, before any model loads, on a --recovery that does not parse."""
-    from .core.prefill.recovery import parse_recovery
+def _check_request(mode: str = "turbo", recovery: str | None = None) -> None:
+    """Fail, before any model loads, on a --mode or --recovery a request would refuse."""
+    from .core.request import Request
 
-    try:
-        parse_recovery(spec)
-    except ValueError as exc:
-        _fail(f"--recovery: {exc}")
+    for flag, fields in (("mode", {"mode": mode}), ("recovery", {"recovery": recovery})):
+        try:
+            Request("", **fields)
+        except ValueError as exc:
+            _fail(f"--{flag}: {exc}")
 
 
 def _check_device(device: str, dtype: str) -> None:
@@ -358,12 +359,9 @@ def serve(
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
     in flight are decoded together."""
     from .core.errors import TurboRAGError
-    from .core.settings import MODES
     from .core.store import parse_size
 
-    if mode not in MODES:
-        _fail(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
-    _check_recovery(recovery)
+    _check_request(mode, recovery)
     _check_device(device, dtype)
     try:
         body_limit = parse_size(max_body_bytes)
@@ -376,6 +374,7 @@ def serve(
     if api_key is not None and keys is not None:
         _fail("give --api-key (one key, no tenants) or --keys (a file of tenants' keys), not "
               "both")
+    from .core.config import EngineConfig
     from .core.prompt_template import read_prompt_template
 
     try:  # before the model loads: a bad file fails at once
@@ -384,16 +383,20 @@ def serve(
         _fail(f"--prompt: {exc}")
     try:
         from .server.app import serve as run_server
+        from .server.config import ServerConfig
+        from .server.keys import KeyFile
     except ImportError as exc:
         _fail(f"{exc}: the server needs FastAPI and uvicorn; install them with `bash "
               "scripts/install.sh server` (or pip install 'turborag-integrations[server]')")
     try:
-        run_server(model=model, store=store, host=host, port=port,
-                   encoder=encoder, mode=mode, recovery=recovery,
-                   max_batch=max_batch, max_queue=max_queue, max_body_bytes=body_limit,
-                   api_key=api_key, keys=keys, threads=threads,
-                   question_last=question_last, context_tokens=context_tokens,
-                   prompts=prompts, device=device, dtype=dtype)
+        engine_config = EngineConfig().with_settings(
+            encoder=encoder, recovery=recovery, question_last=question_last, device=device,
+            dtype=dtype, **({} if context_tokens is None else {"context_tokens": context_tokens}))
+        server = ServerConfig(mode=mode, max_batch=max_batch, max_queue=max_queue,
+                              max_body_bytes=body_limit, api_key=api_key,
+                              keys=KeyFile(keys) if keys is not None else None)  # fails early
+        run_server(model, store=store, config=engine_config, server=server, prompts=prompts,
+                   host=host, port=port, threads=threads)
     except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
 
@@ -480,7 +483,7 @@ def vllm(
     import os
     import shlex
 
-    from .core.models import CATALOG, prepare_bundled
+    from .core.bundled import CATALOG, prepare_bundled
     from .core.store import default_store_path
     from .vllm.launch import (cpu_environment, default_python, kv_transfer_config,
                               python_is_usable, server_argv)
@@ -509,8 +512,8 @@ def vllm(
                                 blob_dtype=blob_dtype, ingest=ingest,
                                 context_tokens=context_tokens)
     argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
-                       max_model_len=max_model_len, served_name=served, enforce_eager=eager,
-                       extra=ctx.args)
+                       max_model_len=max_model_len, served_model_name=served,
+                       enforce_eager=eager, extra=ctx.args)
     typer.echo(shlex.join(argv), err=True)
     if dry_run:
         return
@@ -603,7 +606,8 @@ def models_list():
     """Bundled models and whether their packages are installed."""
     import importlib.util
 
-    from .core.models import CATALOG, DEFAULT_MODEL
+    from .core.bundled import CATALOG
+    from .core.models import DEFAULT_MODEL
 
     for entry in CATALOG.values():
         ok = all(importlib.util.find_spec(p) for p in entry.packages)
@@ -618,7 +622,7 @@ def models_list():
 def models_prepare(name: str = typer.Argument(..., help="bundled model name")):
     """Convert a bundled GGUF model once to a safetensors folder in the cache."""
     from .core.errors import TurboRAGError
-    from .core.models import CATALOG, prepare_bundled
+    from .core.bundled import CATALOG, prepare_bundled
 
     if name not in CATALOG:
         _fail(f"unknown bundled model {name!r}; choose from {', '.join(CATALOG)}")

@@ -14,6 +14,7 @@ from turborag_integrations.core.decode.batch import BatchedDecoder
 from turborag_integrations.core.decode.fast import FastDecoder
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
+from turborag_integrations.core.request import Request
 from turborag_integrations.core.kv.arena import BatchArena
 from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.settings import GenerationConfig
@@ -466,7 +467,7 @@ def test_outputs_arrive_in_order_and_end_with_one_finished(engine):
     got = {i: Outputs() for i in jobs}
     with BatchScheduler(engine, name="the-worker") as scheduler:
         for i, (text, c) in jobs.items():
-            scheduler.add_request(i, text, chunks=CHUNKS, config=c, on_output=got[i])
+            scheduler.add_request(i, Request(text, CHUNKS, c), on_output=got[i])
         for outputs in got.values():
             outputs.wait()
     for i, outputs in got.items():
@@ -480,6 +481,26 @@ def test_outputs_arrive_in_order_and_end_with_one_finished(engine):
     assert got["a"].last.finish_reason == "length" and got["b"].last.finish_reason == "stop"
 
 
+def test_a_request_is_answered_in_its_namespace(tiny, tmp_path):
+    """The tenant travels in the Request: blobs only tenant "a" ingested are reused for its
+    requests, and a request that may also read "a" (`shared`) finds them; others prefill them."""
+    engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
+    engine.namespaced("a").encode_chunks(CHUNKS)
+    config = GenerationConfig(max_new_tokens=3)
+    asked = {"a": Request(prompt(1), CHUNKS, config, namespace="a"),
+             "root": Request(prompt(1), CHUNKS, config),
+             "b": Request(prompt(1), CHUNKS, config, namespace="b"),
+             "b reading a": Request(prompt(1), CHUNKS, config, namespace="b", shared=("a",))}
+    got = {name: Outputs() for name in asked}
+    with BatchScheduler(engine) as scheduler:
+        for name, request in asked.items():
+            scheduler.add_request(name, request, on_output=got[name])
+        hits = {name: outputs.wait().last.stats.cache_hits for name, outputs in got.items()}
+    assert hits == {"a": 2, "root": 0, "b": 0, "b reading a": 2}
+    assert got["a"].token_ids == got["b reading a"].token_ids == engine.namespaced("a").generate(
+        prompt(1), chunks=CHUNKS, config=config).token_ids
+
+
 def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine, monkeypatch):
     prefills, prefill = [], engine.prefill
     monkeypatch.setattr(engine, "prefill",
@@ -489,13 +510,11 @@ def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine
     prefills.clear()
     running, queued, after = Outputs(), Outputs(), Outputs()
     with BatchScheduler(engine, max_batch=1) as scheduler:
-        scheduler.add_request("running", prompt(0), chunks=CHUNKS, config=config,
-                              on_output=running)
+        scheduler.add_request("running", Request(prompt(0), CHUNKS, config), on_output=running)
         wait_for(lambda: running.outputs, "the first token")  # it holds the one place
-        scheduler.add_request("queued", prompt(1), chunks=CHUNKS, config=config,
-                              on_output=queued)
+        scheduler.add_request("queued", Request(prompt(1), CHUNKS, config), on_output=queued)
         with pytest.raises(ValueError, match="queued or running"):
-            scheduler.add_request("queued", prompt(2), on_output=Outputs())
+            scheduler.add_request("queued", Request(prompt(2)), on_output=Outputs())
         wait_for(lambda: scheduler.waiting == 1, "the second request to queue")
 
         assert scheduler.abort("queued")
@@ -514,8 +533,9 @@ def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine
         assert not scheduler.abort("running") and not scheduler.abort("never added")
 
         # the place is free: the next request runs at once, under an id used before
-        scheduler.add_request("queued", prompt(2), chunks=CHUNKS,
-                              config=GenerationConfig(max_new_tokens=4), on_output=after)
+        scheduler.add_request("queued",
+                              Request(prompt(2), CHUNKS, GenerationConfig(max_new_tokens=4)),
+                              on_output=after)
         after.wait()
         assert len(after.token_ids) == 4 and after.last.finish_reason == "length"
 
@@ -525,7 +545,7 @@ def test_errors_reach_on_output_and_the_scheduler_goes_on(engine, monkeypatch):
     config = GenerationConfig(max_new_tokens=30)
     with BatchScheduler(engine) as scheduler:
         failed = Outputs()
-        scheduler.add_request("too long", too_long, config=config, on_output=failed)
+        scheduler.add_request("too long", Request(too_long, config=config), on_output=failed)
         (only,) = failed.wait().outputs
         assert isinstance(only.error, ContextWindowError) and only.finish_reason == "error"
 
@@ -539,8 +559,7 @@ def test_errors_reach_on_output_and_the_scheduler_goes_on(engine, monkeypatch):
 
         monkeypatch.setattr(BatchedDecoder, "step", breaks)
         broken = Outputs()
-        scheduler.add_request("mid-answer", prompt(0), chunks=CHUNKS, config=config,
-                              on_output=broken)
+        scheduler.add_request("mid-answer", Request(prompt(0), CHUNKS, config), on_output=broken)
         broken.wait()
         assert len(broken.token_ids) == 3  # the prefill's token and two steps'
         assert broken.last.finish_reason == "error" and "broke" in str(broken.last.error)
@@ -552,11 +571,12 @@ def test_errors_reach_on_output_and_the_scheduler_goes_on(engine, monkeypatch):
             calls.append(output)
             raise ValueError("the consumer broke")
 
-        scheduler.add_request("bad consumer", prompt(1), chunks=CHUNKS, config=config,
+        scheduler.add_request("bad consumer", Request(prompt(1), CHUNKS, config),
                               on_output=raising)
         fine = Outputs()
-        scheduler.add_request("fine", prompt(2), chunks=CHUNKS,
-                              config=GenerationConfig(max_new_tokens=5), on_output=fine)
+        scheduler.add_request("fine",
+                              Request(prompt(2), CHUNKS, GenerationConfig(max_new_tokens=5)),
+                              on_output=fine)
         assert len(fine.wait().token_ids) == 5
         wait_for(lambda: calls and calls[-1].finished, "the bad consumer's request to end")
         assert calls[-1].finish_reason == "cancelled" and len(calls) == 2
@@ -571,7 +591,7 @@ def test_a_worker_that_dies_ends_every_request_it_holds(engine, monkeypatch):
     monkeypatch.setattr(BatchWorker, "_admit", dies)
     outputs = Outputs()
     scheduler = BatchScheduler(engine)
-    scheduler.add_request("a", prompt(0), chunks=CHUNKS, on_output=outputs)
+    scheduler.add_request("a", Request(prompt(0), CHUNKS), on_output=outputs)
     outputs.wait()
     assert outputs.last.finish_reason == "error" and "stopped" in str(outputs.last.error)
     stream = scheduler.submit(prompt(1), chunks=CHUNKS)

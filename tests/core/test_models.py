@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.errors import ModelError
-from turborag_integrations.core.models import (CATALOG, BundledModel, _convert_gguf,
-                                               check_weights_complete, prepare_bundled)
+from turborag_integrations.core.bundled import (CATALOG, BundledModel, _convert_gguf,
+                                                check_weights_complete, prepare_bundled)
 
 
 def fake_package(root, name, files):

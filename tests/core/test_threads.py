@@ -19,7 +19,7 @@ from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.rapid import RapidEngine, Side, speculate
-from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.settings import GenerationConfig, SpeculationConfig
 
 CPU = torch.device("cpu")
 PARAGRAPHS = [
@@ -69,7 +69,7 @@ def stock_rapid(engine: TurboRAGEngine, rapid: RapidEngine, question: str) -> li
         target, drafter = (Side(engine.model, p.cache, p.logits, p.next_position, fast=False)
                            for p in pres)
         rounds = speculate(target, drafter, GenerationConfig(max_new_tokens=NEW_TOKENS),
-                           gamma=GAMMA, eos_ids=engine.eos_ids)
+                           SpeculationConfig(gamma=GAMMA), eos_ids=engine.eos_ids)
         return [t for r in rounds for t in r.tokens]
     finally:
         for p in pres:

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import byte_tokenizer
 from turborag_integrations.core.batching import BatchScheduler, RequestOutput
 from turborag_integrations.core.errors import ContextWindowError
+from turborag_integrations.core.request import Request
 from turborag_integrations.core.run import GenerationStats
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.server.outputs import OutputLoop
@@ -32,7 +33,7 @@ class ScriptedWorker:
         self.aborted: list[str] = []
         self.stats = GenerationStats()
 
-    def add_request(self, request_id, prompt, *, on_output, **kwargs) -> None:
+    def add_request(self, request_id, request, *, on_output) -> None:
         self.callbacks[request_id] = on_output
 
     def abort(self, request_id: str) -> bool:
@@ -80,7 +81,7 @@ def test_a_character_split_across_tokens_waits_for_its_last_byte(tokenizer):
 
     async def run():
         outputs = OutputLoop(worker)
-        stream = outputs.add("r", "prompt", config=GenerationConfig(max_new_tokens=64))
+        stream = outputs.add("r", Request("prompt", config=GenerationConfig(max_new_tokens=64)))
         raw = b""
         for token, byte in zip(tokens, text.encode()):
             worker.report("r", [token])
@@ -108,7 +109,7 @@ def test_a_stop_string_split_across_tokens_is_cut_and_ends_the_request_by_id(tok
 
     async def run():
         outputs = OutputLoop(worker)
-        stream = outputs.add("r", "prompt", config=config)
+        stream = outputs.add("r", Request("prompt", config=config))
         deltas = []
         for token in ids(tokenizer, "It is STOP"):
             worker.report("r", [token])
@@ -134,7 +135,8 @@ def test_a_held_back_start_of_a_stop_string_comes_out_when_the_answer_ends(token
 
     async def run():
         outputs = OutputLoop(worker)
-        stream = outputs.add("r", "p", config=GenerationConfig(max_new_tokens=9, stop=["STOP"]))
+        stream = outputs.add("r", Request("p", config=GenerationConfig(max_new_tokens=9,
+                                                                       stop=["STOP"])))
         worker.report("r", ids(tokenizer, "Almost ST"), finish_reason="length")
         return await rest(stream)
 
@@ -151,7 +153,7 @@ def test_an_error_part_way_ends_the_stream_after_its_text(tokenizer):
 
     async def run():
         outputs = OutputLoop(worker)
-        stream = outputs.add("r", "p", config=GenerationConfig(max_new_tokens=9),
+        stream = outputs.add("r", Request("p", config=GenerationConfig(max_new_tokens=9)),
                              on_end=ended.append)
         worker.report("r", ids(tokenizer, "ab"))
         worker.report("r", finish_reason="error", error=RuntimeError("the step broke"))
@@ -169,7 +171,7 @@ def test_a_finished_stream_is_closed_and_late_outputs_are_dropped(tokenizer):
 
     async def run():
         outputs = OutputLoop(worker)
-        stream = outputs.add("r", "p", config=GenerationConfig(max_new_tokens=2))
+        stream = outputs.add("r", Request("p", config=GenerationConfig(max_new_tokens=2)))
         worker.report("r", ids(tokenizer, "ok"), finish_reason="length")
         events = await rest(stream)
         worker.report("r", ids(tokenizer, "late"))  # no request of that id any more
@@ -193,9 +195,9 @@ def test_abort_by_id_ends_the_stream_and_frees_the_place(engine):
         scheduler = BatchScheduler(engine, max_batch=1)
         try:
             outputs = OutputLoop(scheduler)
-            first = outputs.add("first", "Tell me everything.", config=long,
+            first = outputs.add("first", Request("Tell me everything.", config=long),
                                 on_end=ended.append)
-            queued = outputs.add("queued", "And then some more.", config=long,
+            queued = outputs.add("queued", Request("And then some more.", config=long),
                                  on_end=ended.append)
             assert (await first.next())[0] == "delta"  # it holds the one place
             outputs.abort("queued")
@@ -207,7 +209,8 @@ def test_abort_by_id_ends_the_stream_and_frees_the_place(engine):
                     break
                 await asyncio.sleep(0.05)
             freed = (len(outputs), scheduler.in_flight, scheduler.waiting)
-            third = outputs.add("third", "Short.", config=GenerationConfig(max_new_tokens=3))
+            third = outputs.add("third",
+                                Request("Short.", config=GenerationConfig(max_new_tokens=3)))
             return freed, await rest(third)
         finally:
             scheduler.close()
@@ -224,9 +227,9 @@ def test_a_prefill_error_is_the_first_event_and_counts_no_generation(engine):
 
     async def run():
         with BatchScheduler(engine) as scheduler:
-            stream = OutputLoop(scheduler).add(
-                "r", "x" * (engine.context_window + 10),
-                config=GenerationConfig(max_new_tokens=4), on_end=ended.append)
+            too_long = Request("x" * (engine.context_window + 10),
+                               config=GenerationConfig(max_new_tokens=4))
+            stream = OutputLoop(scheduler).add("r", too_long, on_end=ended.append)
             return await rest(stream)
 
     (kind, error), = asyncio.run(run())
@@ -240,8 +243,8 @@ def test_text_is_made_on_the_event_loop_never_on_the_worker(engine, monkeypatch)
 
     async def run():
         with BatchScheduler(engine, name="the-worker") as scheduler:
-            stream = OutputLoop(scheduler).add("r", "Hello.",
-                                               config=GenerationConfig(max_new_tokens=8))
+            stream = OutputLoop(scheduler).add(
+                "r", Request("Hello.", config=GenerationConfig(max_new_tokens=8)))
             return await rest(stream)
 
     events = asyncio.run(run())

@@ -12,20 +12,37 @@ from fastapi import FastAPI
 from typer.testing import CliRunner
 
 from turborag_integrations.cli import app as cli
+from turborag_integrations.core.config import EngineConfig, QueryConfig
+from turborag_integrations.core.prefill.context import DEFAULT_CONTEXT_TOKENS
+from turborag_integrations.core.prefill.recovery import parse_recovery
 from turborag_integrations.core.settings import DEFAULT_RECOVERY
 from turborag_integrations.server import app as server_app
+from turborag_integrations.server.config import ServerConfig
 
 DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
-            "encoder": "default", "mode": "turbo", "recovery": DEFAULT_RECOVERY,
-            "max_batch": 8, "max_queue": 64,
+            "encoder": "default", "mode": "turbo",
+            "recovery": str(parse_recovery(DEFAULT_RECOVERY)), "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
-            "question_last": False, "context_tokens": None, "prompts": [], "device": "cpu",
-            "dtype": "float32"}
+            "question_last": False, "context_tokens": DEFAULT_CONTEXT_TOKENS, "prompts": [],
+            "device": "cpu", "dtype": "float32"}
+
+
+def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
+    """What `serve` was given, by the CLI's option names: the engine's and the server's
+    configurations read back field by field."""
+    return {"model": model, "store": store, "host": host, "port": port, "threads": threads,
+            "prompts": prompts, "encoder": config.encoding.encoder,
+            "recovery": str(config.query.recovery), "question_last": config.query.question_last,
+            "context_tokens": config.encoding.context_tokens, "device": config.model.device,
+            "dtype": config.model.dtype, "mode": server.mode, "max_batch": server.max_batch,
+            "max_queue": server.max_queue, "max_body_bytes": server.max_body_bytes,
+            "api_key": server.api_key, "keys": server.keys}
 
 
 def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(server_app, "serve", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(server_app, "serve", lambda *args, **kwargs: calls.append(
+        flat(*args, **kwargs)))
     monkeypatch.delenv("TURBORAG_API_KEY", raising=False)
     runner = CliRunner()
     result = runner.invoke(cli, ["serve"])
@@ -54,13 +71,13 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
 
 
 def test_serve_refuses_bad_options(monkeypatch, tmp_path):
-    monkeypatch.setattr(server_app, "serve", lambda **kwargs: pytest.fail("served"))
+    monkeypatch.setattr(server_app, "serve", lambda *args, **kwargs: pytest.fail("served"))
     no_context = tmp_path / "p.txt"
     no_context.write_text("Question: {question}\nAnswer:")
     not_chat = tmp_path / "p.json"
     not_chat.write_text(json.dumps({"role": "user", "content": "{context}"}))
     runner = CliRunner()
-    for args, says in ((["--mode", "fast"], "--mode must be one of turbo, naive"),
+    for args, says in ((["--mode", "fast"], "--mode: mode must be one of ('turbo', 'naive')"),
                        (["--max-body-bytes", "lots"], "--max-body-bytes: not a size"),
                        (["--max-body-bytes", "0"], "at least 1 byte"),
                        (["--api-key", ""], "--api-key is empty"),
@@ -84,9 +101,8 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
 def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkeypatch, engine):
     made, ran = [], []
 
-    def load(model, *, store, encoder, recovery, question_last, device, dtype):
-        made.append((model, store, encoder, recovery, question_last,
-                     threading.current_thread()))
+    def load(model, *, store, config):
+        made.append((model, store, config, threading.current_thread()))
         return engine
 
     monkeypatch.setattr(server_app, "TurboRAGEngine", load)
@@ -96,14 +112,17 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.append((app, kwargs)))
     before = torch.get_num_threads()
     try:
-        server_app.serve(model="m", store="kv", port=9000, max_batch=3, api_key="k", threads=1,
-                         question_last=True, prompts=["Read:\n{context}\nQ: {question}\nA:"])
+        server_app.serve("m", store="kv",
+                         config=EngineConfig(query=QueryConfig(question_last=True)),
+                         server=ServerConfig(max_batch=3, api_key="k"), port=9000, threads=1,
+                         prompts=["Read:\n{context}\nQ: {question}\nA:"])
     finally:
         torch.set_num_threads(before)
-    (model, store, encoder, recovery, question_last, loader), = made
+    (model, store, config, loader), = made
     # chunks encoded with the shipped encoder, the default recovery
-    assert (model, store, encoder, recovery, question_last) == (
-        "m", "kv", "default", DEFAULT_RECOVERY, True)
+    assert (model, store, config.encoding.encoder, str(config.query.recovery),
+            config.query.question_last) == (
+        "m", "kv", "default", str(parse_recovery(DEFAULT_RECOVERY)), True)
     assert loader is not threading.current_thread() and not loader.is_alive()
     # warmed up on the scheduler's thread, which runs torch with the threads asked for
     assert ran[0] == ("turborag-batch", 1)

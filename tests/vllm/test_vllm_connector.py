@@ -38,7 +38,7 @@ def run_in_vllm(script: str, *args, timeout: int = 1200) -> str:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     require_vllm()
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     out = tmp_path_factory.mktemp("vllm") / "measured.json"
@@ -187,7 +187,7 @@ def through_redis(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     from tests.core.store.test_redis_tier import RedisServer
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     tmp = tmp_path_factory.mktemp("vllm-redis")

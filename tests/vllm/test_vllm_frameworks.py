@@ -56,7 +56,7 @@ def served(tmp_path_factory):
     pytest.importorskip("llama_index.llms.openai_like")
     pytest.importorskip("langchain_openai")
     from turborag_integrations.core.engine import TurboRAGEngine
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
     from turborag_integrations.vllm.launch import cpu_environment, kv_transfer_config, server_argv
 
     store = str(tmp_path_factory.mktemp("vllm-store"))
@@ -66,7 +66,7 @@ def served(tmp_path_factory):
     port = free_port()
     argv = server_argv(PYTHON, prepare_bundled(MODEL, progress=False),
                        kv_transfer_config(store, encoder=MODEL), host="127.0.0.1", port=port,
-                       served_name=MODEL, extra=["--max-model-len", "2048"])
+                       served_model_name=MODEL, extra=["--max-model-len", "2048"])
     log = tmp_path_factory.mktemp("vllm-log") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,

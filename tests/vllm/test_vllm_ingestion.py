@@ -23,7 +23,7 @@ TOLERANCE = 5e-4
 @pytest.fixture(scope="module")
 def ingested(tmp_path_factory):
     require_vllm()
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
 
     model_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     out = tmp_path_factory.mktemp("vllm-ingest") / "ingested.json"

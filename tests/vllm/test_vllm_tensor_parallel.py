@@ -17,7 +17,7 @@ from .test_vllm_connector import require_vllm, run_in_vllm
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     require_vllm()
-    from turborag_integrations.core.models import prepare_bundled
+    from turborag_integrations.core.bundled import prepare_bundled
 
     tokenizer_dir = prepare_bundled("smollm2-135m-instruct", progress=False)
     work = tmp_path_factory.mktemp("vllm-tp")

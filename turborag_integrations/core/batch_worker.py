@@ -19,6 +19,7 @@ import torch
 from .decode.batch import BatchedDecoder
 from .decode.loop import decode_loop, now
 from .decode.sampling import Sampler
+from .decode.start import DecodeStart
 from .engine import TurboRAGEngine
 from .kv.arena import BatchArena
 from .scheduled import WITHDRAWN, RequestCancelled, RequestOutput, Scheduled
@@ -93,7 +94,8 @@ class BatchWorker:
             request.sampler = Sampler(config)
             self._join_arena(request)
         else:
-            request.solo = decode_loop(engine.model, pre.cache, pre.logits, request.position,
+            request.solo = decode_loop(engine.model,
+                                       DecodeStart(pre.cache, pre.logits, request.position),
                                        config, config.end_ids(engine.eos_ids),
                                        max_new_tokens=request.limit,
                                        draft_stats=request.draft_stats)

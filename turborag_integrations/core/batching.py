@@ -18,7 +18,7 @@ waits for the request's turn and prefill, so errors of the prefill are raised th
 Underneath, requests have ids, and the worker reports token ids, not text (vLLM's engine core
 and output processor split so):
 
-    scheduler.add_request("req-1", prompt, chunks=chunks, config=config, on_output=callback)
+    scheduler.add_request("req-1", Request(prompt, chunks, config), on_output=callback)
     scheduler.abort("req-1")               # queued or running: it leaves at the next round
 
 `callback` gets a `RequestOutput` (core/scheduled.py) on the worker's thread after each round
@@ -114,32 +114,25 @@ class BatchScheduler:
     def submit(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
                encode_missing: bool = False, recovery=None,
-               cancelled: threading.Event | None = None,
-               engine=None) -> GenerationStream:
+               cancelled: threading.Event | None = None) -> GenerationStream:
         """A stream of `prompt`'s answer (arguments as `TurboRAGEngine.stream`); the request
         joins the batch when the stream is first iterated.
-
-        engine: a namespace of the scheduler's engine (`TurboRAGEngine.namespaced`) whose
-        store the prompt's blobs come from; default: the scheduler's engine itself.
 
         cancelled: an event that withdraws the request once set (from any thread): never
         prefilled if it is still waiting (the stream raises `RequestCancelled`), out of the
         batch at the next round if it is in."""
         request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
                           encode_missing, recovery)
-        engine = self._engine_for(engine)
+        engine = self._engine_for(request)
         return GenerationStream(start=lambda: self._start(request, engine, cancelled))
 
-    def add_request(self, request_id: str, prompt: str | Sequence[Segment], *,
-                    on_output: Callable[[RequestOutput], None], chunks: Iterable[str] = (),
-                    config: GenerationConfig | None = None, mode: str = "turbo",
-                    encode_missing: bool = False, recovery=None, engine=None) -> None:
-        """Queue `prompt`'s generation under `request_id` (arguments as `submit`); the worker
-        reports it to `on_output` (module docstring) until a last, finished output. An id may
-        be used again once its request has finished."""
-        request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
-                          encode_missing, recovery)
-        self._add(Scheduled(request_id, request, self._engine_for(engine), on_output))
+    def add_request(self, request_id: str, request: Request, *,
+                    on_output: Callable[[RequestOutput], None]) -> None:
+        """Queue `request` under `request_id`; the worker reports it to `on_output` (module
+        docstring) until a last, finished output. It is answered on the scheduler's engine in
+        the request's namespace (`Request.namespace`). An id may be used again once its request
+        has finished."""
+        self._add(Scheduled(request_id, request, self._engine_for(request), on_output))
 
     def abort(self, request_id: str) -> bool:
         """Withdraw a request, from any thread: one still queued is never prefilled, one in the
@@ -202,11 +195,13 @@ class BatchScheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _engine_for(self, engine) -> TurboRAGEngine:
-        if engine is not None and engine.model is not self.engine.model:
-            raise ValueError("a request's engine must be a namespace of the scheduler's engine "
-                             "(engine.namespaced(name)), not another model")
-        return engine or self.engine
+    def _engine_for(self, request: Request) -> TurboRAGEngine:
+        """The view of the scheduler's engine a request is answered on: its namespace's (the
+        engine itself for a request that names none)."""
+        if request.namespace is None and not request.shared:
+            return self.engine
+        name = self.engine.namespace if request.namespace is None else request.namespace
+        return self.engine.namespaced(name, shared=request.shared)
 
     def _add(self, request: Scheduled) -> None:
         with self._cond:

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import copy
 import threading
-from pathlib import Path
 from typing import Iterable, Sequence
 
+from .config import EngineConfig
 from .decode.loop import decode_loop, eos_token_ids, now
 from .decode.selfspec import DraftStats
+from .decode.start import DecodeStart
 from .kv.blob import KVBlob, fingerprint_model
 from .kv.cache import CachePool
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
-from .prefill.anchor import (CONTEXT_MARKER, DEFAULT_ANCHOR, VALUE_MARKER, anchor_ids,
+from .prefill.anchor import (CONTEXT_MARKER, VALUE_MARKER, anchor_ids,
                              anchor_text)
 from .prefill.chunk_encoder import ChunkEncoder
-from .prefill.context import DEFAULT_CONTEXT_TOKENS
-from .prefill.encoding import LearnedEncoding, resolve_encoder
-from .prefill.recovery import (DEFAULT_RECOVERY, NO_RECOVERY, Recovery, SparingExact,
+from .prefill.encoding import resolve_encoder
+from .prefill.recovery import (NO_RECOVERY, Recovery, SparingExact,
                                parse_recovery, without_first)
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.rope import KeyRotator
@@ -32,7 +32,7 @@ from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, to
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
-from .settings import MODES, GenerationConfig, check_choice
+from .settings import MODES, GenerationConfig
 from .store import KVStore
 from .store.namespaces import RecentlyUsed
 
@@ -47,81 +47,40 @@ class TurboRAGEngine(ChunkLibrary):
     # Namespace views kept at once (`namespaced`): a view is a shallow copy, a few kB.
     MAX_VIEWS = 1024
 
-    def __init__(self, model: str | LoadedModel | None = None, *, store: KVStore | str | None = None,
-                 dtype: str = "float32", device: str = "cpu",
-                 batch_size: int = 8, progress: bool = True, cache_prefix: bool = True,
-                 prefetch: bool = False, anchor: str | None = DEFAULT_ANCHOR,
-                 question_last: bool = False,
-                 encoder: "str | Path | LearnedEncoding | None" = "default",
-                 namespace: str = "", separators: bool = True,
-                 context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-                 prompt_heads: Sequence[str] = (), recovery: str | Recovery = DEFAULT_RECOVERY):
+    def __init__(self, model: str | LoadedModel | None = None, *,
+                 store: KVStore | str | None = None, namespace: str = "",
+                 config: EngineConfig | None = None, **settings):
         """model: a bundled name, a local folder, a Hugging Face id, or a LoadedModel already
-        loaded (then `device` and `dtype` are its own). device: where it runs — cpu, cuda,
-        cuda:N, mps or auto (the first accelerator there is); one that is not here is refused
-        before loading. dtype: float32 (the default: exact and fastest on CPUs without native
-        bf16), bfloat16, float16 or auto (the checkpoint's). Blobs are made in the model's dtype,
-        which is part of their fingerprint.
+        loaded (then its device and dtype are its own).
 
-        anchor: what each chunk is encoded after — "chat" (default), "bos", "none" or a text
-        (see core/prefill/anchor.py). Blobs of different anchors never mix: the anchor is part of their
-        fingerprint and key.
-
-        encoder: learned parameters that act only while chunks are encoded, offline
-        (core/prefill/encoding.py): "default" loads the file shipped for a bundled model (none
-        for other models), a path or bundled model name loads that file, None keeps the
-        training-free encoding. The query-time model stays the weights as loaded, so full
-        prefills answer exactly as the unmodified model does. The encoder is part of every
-        chunk blob's fingerprint; a file made for other weights, another tokenizer or another
-        anchor is refused (EncoderMismatch) before any blob is written.
-
-        namespace: the store namespace (a tenant) this engine ingests into and reads from;
-        "" (the default) is the single namespace of a store without tenants. One engine serves
+        store: a KVStore, or a folder for one (None: the default folder under ~/.cache).
+        namespace: the store namespace (a tenant) this engine ingests into and reads from; ""
+        (the default) is the single namespace of a store without tenants. One engine serves
         several: `engine.namespaced(name)` (core/store/namespaces.py).
 
-        context_tokens: encode each chunk after up to this many tokens of the text before it
-        in its document (the chunks before it, as ingestion gives them: `encode_chunks(contexts=)`,
-        the vector stores and the Workspace pass it), the context's KV discarded; 0 encodes
-        chunks alone. Offline only: a blob still holds the chunk's own tokens and query time
-        is unchanged. Part of the blobs' fingerprint (core/prefill/chunk_encoder.py).
-
-        separators: stitch a stock separator between two chunks ("\n\n") from its stored
-        blob, as vLLM's connector must (a claim is a run of stored KV), so that both engines
-        stitch a prompt alike; False prefills it with the rest of the prompt, attending to the
-        chunks before it.
-
-        prompt_heads: texts that prompts have before their first chunk (a template's head):
-        each chunk is also encoded right after each of them, and the first chunk of a prompt
-        with that head is stitched from that blob, exactly as a full prefill computes it
-        (`add_prompt_head`, core/library.py). Each head costs one more blob per chunk.
-
-        recovery: what a turbo request that names no recovery of its own recomputes at query
-        time (core/prefill/recovery.py): "select:0.15" by default — the 15% of chunk tokens the
-        question attends to most, recomputed with attention to everything before them; "none"
-        stitches the blobs as they are.
-
-        question_last: in turbo mode, move the chunks of a question-first prompt ("Question: …
-        Context: … Answer:") in front of the user's text before them, so that the question is read
-        after the chunks, as stitching needs (core/prefill/reorder.py). Off by default: it
-        changes the prompt. Full prefills keep the prompt as written.
+        config: an EngineConfig (core/config.py) — the model's device and dtype, how chunks are
+        encoded, how turbo requests are stitched and recovered. `settings` are its fields by
+        name, applied on top of it: `TurboRAGEngine(device="cuda", dtype="bfloat16",
+        context_tokens=0, recovery="select:0.2")`. Each is described on its dataclass:
+        `ModelConfig` (device, dtype, progress, model_kwargs, tokenizer_kwargs),
+        `EncodingConfig` (anchor, encoder, context_tokens, prompt_heads, batch_size: part of
+        every blob's fingerprint), and `QueryConfig` (recovery, question_last, separators,
+        cache_prefix, prefetch). A bad value or an unknown name fails here, before the model
+        loads.
         """
-        self.recovery = parse_recovery(recovery) or NO_RECOVERY  # a bad spec fails before loading
+        self.config = (config or EngineConfig()).with_settings(**settings)
+        encoding = self.config.encoding
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, progress=progress)
+            model, self.config.model)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self.question_last = bool(question_last)
-        self.stitch_separators = bool(separators)
         self.user_opener = user_turn_opener(self.tokenizer)
-        self.cache_prefix = cache_prefix
-        self.prefetch = prefetch
         model_fp = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
         self.rotator = KeyRotator.for_model(self.model)
-        self.anchor = anchor or "none"
         self.anchor_text = anchor_text(self.anchor, self.tokenizer)
         # Chunks are encoded after the anchor; the prompt's own head (the text before the first
         # chunk) starts the sequence, so it is encoded plain, at 0..n−1, which is exact.
-        self.learned = resolve_encoder(encoder, self.loaded.name, model_fp.weights)
+        self.learned = resolve_encoder(encoding.encoder, self.loaded.name, model_fp.weights)
         if self.learned is not None:
             self.learned.check_model(model_fp.weights, model_fp.tokenizer, self.anchor)
         self._owns_store = not isinstance(store, KVStore)
@@ -133,13 +92,23 @@ class TurboRAGEngine(ChunkLibrary):
         self._views_lock = threading.Lock()
         ChunkLibrary.__init__(
             self,
-            ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size,
+            ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=encoding.batch_size,
                          anchor_ids=anchor_ids(self.anchor, self.tokenizer), learned=self.learned,
-                         context_tokens=context_tokens),
-            ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=batch_size),
+                         context_tokens=encoding.context_tokens),
+            ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=encoding.batch_size),
             root_store.namespace(namespace))
-        for head in prompt_heads:
+        for head in encoding.prompt_heads:
             self.add_prompt_head(head)
+
+    @property
+    def anchor(self) -> str:
+        """What chunks are encoded after (`EncodingConfig.anchor`)."""
+        return self.config.encoding.anchor
+
+    @property
+    def recovery(self) -> Recovery:
+        """What a turbo request that names none recomputes (`QueryConfig.recovery`)."""
+        return self.config.query.recovery
 
     def namespaced(self, name: str, *, shared: Sequence[str] = ()) -> "TurboRAGEngine":
         """This engine in namespace `name`: the same model, encoders and cache pool, the store
@@ -181,7 +150,7 @@ class TurboRAGEngine(ChunkLibrary):
         """Run a tiny full and a tiny stitched call (nothing is stored), and encode the stock
         separators between chunks, so that the first timed call pays for neither lazy
         initialisation nor the first cache buffer."""
-        if self.stitch_separators:
+        if self.config.query.separators:
             self._separator_blobs()
         self.generate("Hello", config=GenerationConfig(max_new_tokens=2), mode="naive")
         text = "A short passage used to warm up the stitched path."
@@ -203,21 +172,21 @@ class TurboRAGEngine(ChunkLibrary):
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
-    def segments(self, prompt: str, chunks: Iterable[str] = (), *, mode: str = "turbo",
+    def segments(self, prompt: str, chunks: Iterable[str] = (), *,
                  encode_missing: bool = False) -> tuple[list[Segment], int, int]:
-        """Split `prompt` around the chunk texts it contains and attach their blobs.
+        """Split `prompt` around the chunk texts it contains and attach their blobs (no chunks:
+        the prompt whole, as a full prefill reads it).
 
         Returns (segments, cache_hits, cache_misses). A chunk without a blob, or whose text the
         prompt does not contain verbatim, is simply prefilled with the rest.
         """
-        check_choice("mode", mode, MODES)
         chunks = [c for c in dict.fromkeys(chunks) if c and c.strip()]
-        if mode == "naive" or not chunks:
-            return [Segment(prompt)], 0, len(chunks) if mode == "turbo" else 0
-        if self.question_last:
+        if not chunks:
+            return [Segment(prompt)], 0, 0
+        if self.config.query.question_last:
             prompt = question_last(prompt, chunks, self.user_opener)
         pending = {}
-        if self.prefetch:
+        if self.config.query.prefetch:
             # Read all blobs concurrently (threads release the GIL in file I/O) instead of one
             # after another; the first wait below overlaps with the remaining reads.
             keys = {text: self.chunk_key(text) for text in chunks if text in prompt}
@@ -256,7 +225,7 @@ class TurboRAGEngine(ChunkLibrary):
                 # the chunk's tail may merge with the text after it: its leading tokens only
                 segments.append(Segment(piece.text, blob if piece.ids is None
                                         else blob.head(len(piece.ids))))
-            elif i == 0 and self.cache_prefix and any(p.chunk for p in pieces[1:]) \
+            elif i == 0 and self.config.query.cache_prefix and any(p.chunk for p in pieces[1:]) \
                     and not any(c in piece.text for c in chunks):
                 # The text before the first chunk (system prompt, template head) sees only
                 # itself, exactly like a chunk at position 0: caching it is exact, and it is the
@@ -264,7 +233,7 @@ class TurboRAGEngine(ChunkLibrary):
                 # has no blob: that text is prefilled with the question instead).
                 segments.append(Segment(piece.text, self.prefix_blob(piece.text, ids=piece.ids)))
             else:
-                separators = self._separator_blobs() if self.stitch_separators else {}
+                separators = self._separator_blobs() if self.config.query.separators else {}
                 if is_separator(pieces, i, separators):  # "\n\n" between two chunks
                     segments.append(Segment(piece.text, separators[tuple(piece.ids)]))
                 else:
@@ -297,7 +266,7 @@ class TurboRAGEngine(ChunkLibrary):
         if not found:
             raise ValueError(f"the rendered prompt does not hold the context marker {marker!r}: "
                              "render the template with the marker as its context")
-        if self.question_last:  # as prefill/reorder.py's question_last turns the prompt
+        if self.config.query.question_last:  # as prefill/reorder.py's question_last turns the prompt
             opener = self.user_opener
             cut = head.rfind(opener) + len(opener) if opener and opener in head else 0
             if head[cut:].strip():  # the user's text before the chunks goes after them
@@ -355,7 +324,7 @@ class TurboRAGEngine(ChunkLibrary):
         mode).
         """
         request = Request(prompt, tuple(chunks), config or GenerationConfig(), mode,
-                          encode_missing, recovery)
+                          encode_missing, recovery)  # checked here, before any compute
         return GenerationStream(start=lambda: self._run(request))
 
     def generate(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
@@ -374,9 +343,11 @@ class TurboRAGEngine(ChunkLibrary):
         scheduler); the caller releases `prepared.prefill.cache` to `cache_pool`."""
         config, mode, prompt = request.config, request.mode, request.prompt
         t0 = now()
-        if isinstance(prompt, str):
-            segments, hits, misses = self.segments(prompt, request.chunks, mode=mode,
+        if isinstance(prompt, str) and mode == "turbo":
+            segments, hits, misses = self.segments(prompt, request.chunks,
                                                    encode_missing=request.encode_missing)
+        elif isinstance(prompt, str):
+            segments, hits, misses = [Segment(prompt)], 0, 0
         elif mode == "turbo":
             segments = list(prompt)
             hits, misses = sum(s.cached for s in segments), 0
@@ -400,7 +371,7 @@ class TurboRAGEngine(ChunkLibrary):
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question
         if mode == "turbo":
-            asked = parse_recovery(request.recovery) or self.recovery
+            asked = request.recovery or self.recovery
             stats.extra["recovery"] = str(recovery)
             if str(asked) != str(recovery):
                 stats.extra["recovery_asked"] = str(asked)  # "first" over a lead blob: skipped
@@ -421,7 +392,8 @@ class TurboRAGEngine(ChunkLibrary):
             if draft_stats is not None:
                 stats.extra.update(draft_stats.as_dict())
 
-        tokens = decode_loop(self.model, pre.cache, pre.logits, prepared.position, config,
+        tokens = decode_loop(self.model, DecodeStart(pre.cache, pre.logits, prepared.position),
+                             config,
                              config.end_ids(self.eos_ids), max_new_tokens=prepared.limit,
                              draft_stats=draft_stats)
         return Run(tokens, stats, prepared.limit, self.tokenizer, config.stop, finish)

@@ -13,8 +13,9 @@ decoding writes after it, and how many new tokens the context window leaves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
+from .prefill.recovery import Recovery, parse_recovery
 from .prefill.stitch import Prefill, Segment
 from .run import GenerationStats
 from .settings import MODES, GenerationConfig, check_choice
@@ -28,18 +29,30 @@ class Request:
 
     prompt: the prompt text, or segments ready to prefill (turbo mode stitches their blobs;
     naive mode prefills their text). chunks: the retrieved texts the prompt may contain.
-    recovery: a per-call override of the engine's (None: the engine's)."""
+    mode: "turbo" or "naive" (a full prefill). recovery: a per-call override of the engine's
+    (None: the engine's), a `Recovery` or a spec `parse_recovery` reads. namespace, shared: the
+    store namespace (a tenant) whose blobs the prompt reuses (None: the engine's own), and the
+    namespaces it may also read (`TurboRAGEngine.namespaced`); a batch scheduler answers it on
+    that view of its engine.
+
+    Made once where a caller's request enters the package (an adapter, the server, the CLI) and
+    handed whole from there to the prefill: the mode is checked and the recovery parsed here,
+    so every hop after trusts them."""
 
     prompt: str | Sequence[Segment]
     chunks: tuple[str, ...] = ()
     config: GenerationConfig = field(default_factory=GenerationConfig)
     mode: str = "turbo"
     encode_missing: bool = False
-    recovery: Any = None
+    recovery: Recovery | None = None
+    namespace: str | None = None
+    shared: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         object.__setattr__(self, "chunks", tuple(self.chunks))
+        object.__setattr__(self, "recovery", parse_recovery(self.recovery))
+        object.__setattr__(self, "shared", tuple(self.shared))
 
 
 @dataclass

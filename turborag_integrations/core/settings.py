@@ -8,8 +8,9 @@ package.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence, TypeVar
 
 MODES = ("turbo", "naive")  # reuse chunk blobs, or prefill everything (the baseline)
 QUANTIZE_MODES = (None, "int8", "bf16")
@@ -28,6 +29,20 @@ def check_choice(name: str, value, allowed: Sequence):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, not {value!r}")
     return value
+
+
+Config = TypeVar("Config")
+
+
+def with_fields(config: Config, what: str, **changes: Any) -> Config:
+    """`config` (a dataclass) with the named fields replaced and validated again; a name it
+    does not have is a TypeError that names the ones it has. `what` names the settings in it."""
+    names = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise TypeError(f"unknown {what} setting(s) {', '.join(map(repr, unknown))}; the "
+                        f"settings are: {', '.join(sorted(names))}")
+    return dataclasses.replace(config, **changes) if changes else config  # type: ignore
 
 
 @dataclass
@@ -84,6 +99,24 @@ class GenerationConfig:
         if self.draft_tokens < 1:
             raise ValueError("draft_tokens must be ≥ 1")
 
+    @classmethod
+    def from_options(cls, *layers: dict) -> "GenerationConfig":
+        """The config of a framework's call: `layers` of options, later ones winning (e.g. a
+        model's fields, then the call's arguments), each by GenerationConfig's names or the
+        OpenAI-style `max_tokens`; None means "not given". The one translation every surface
+        uses (LlamaIndex, LangChain, the server); a name it does not know is a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict = {}
+        for layer in layers:
+            for name, value in layer.items():
+                name = "max_new_tokens" if name == "max_tokens" else name
+                if name not in known:
+                    raise TypeError(f"{name!r} is not a generation setting; the settings are: "
+                                    f"max_tokens, {', '.join(sorted(known))}")
+                if value is not None:
+                    values[name] = value
+        return cls(**values)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -96,20 +129,29 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """RAPID's verification settings (core/rapid).
+    """RAPID's verification rounds (core/rapid).
 
     gamma: drafts per round (≥ 1); eta: weight of the drafter's distribution in the target's
-    (≥ 0; 0 is lossless); residual: where a rejected position draws from — "rapid" (the paper's
-    norm(max(p − p̂, p − q, 0))) or "standard" (norm(max(p̂ − q, 0)), output follows p̂).
+    (finite, ≥ 0; 0 is lossless); residual: where a rejected position draws from — "rapid" (the
+    paper's norm(max(p − p̂, p − q, 0))) or "standard" (norm(max(p̂ − q, 0)), output follows p̂).
+    min_draft_prob: adaptive draft length — a round stops drafting once the drafter's
+    probability of its own last draft falls below this (0: always draft γ); it reads only the
+    drafter's distribution, so the output law is unchanged. verify_split: verify with the
+    split attention over the long cache (core/attention.py) where it applies.
     """
 
     gamma: int = 10
     eta: float = 0.0
     residual: str = "rapid"
+    min_draft_prob: float = 0.0
+    verify_split: bool = True
 
     def __post_init__(self):
         if not isinstance(self.gamma, int) or self.gamma < 1:
             raise ValueError(f"gamma must be an integer ≥ 1, not {self.gamma!r}")
-        if not self.eta >= 0:  # also refuses NaN
-            raise ValueError(f"eta must be ≥ 0, not {self.eta!r}")
+        if not 0 <= self.eta < float("inf"):  # also refuses NaN
+            raise ValueError(f"eta must be a finite number ≥ 0 (0 is lossless), not {self.eta!r}")
         check_choice("residual", self.residual, RESIDUALS)
+        if not 0.0 <= self.min_draft_prob < 1.0:  # also refuses NaN
+            raise ValueError(f"min_draft_prob must be in [0, 1), not {self.min_draft_prob!r} "
+                             "(0: always draft γ)")

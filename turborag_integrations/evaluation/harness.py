@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Sequence
 from ..core.prefill.context import text_before
 from ..core.errors import ContextWindowError
 from ..core.settings import GenerationConfig
-from ..core.prefill.recovery import parse_recovery
+from ..core.request import Request
 from .agreement import reply_logits, token_agreement
 from .jsonl import read_jsonl
 from .metrics import is_refusal, normalize, score
@@ -167,7 +167,7 @@ class ModeSpec:
         if base == "naive" and (rec or anchor or encoder or tilde):
             raise ValueError(f"mode {name!r}: recovery, anchors, contexts and encoders apply "
                              "to turbo modes only (a full prefill uses no blob)")
-        parse_recovery(rec or None)  # validate early
+        Request("", recovery=rec or None)  # a bad spec fails now, as a request would refuse it
         return cls(name.strip(), base, rec or None,
                    anchor or None, encoder or None, int(context) if tilde else None)
 

@@ -283,7 +283,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from ..core.models import DEFAULT_MODEL, prepare_bundled
+    from ..core.bundled import prepare_bundled
+    from ..core.models import DEFAULT_MODEL
 
     tok = AutoTokenizer.from_pretrained(str(prepare_bundled(a.model or DEFAULT_MODEL)))
     count = lambda t: len(tok(t, add_special_tokens=False)["input_ids"])  # noqa: E731

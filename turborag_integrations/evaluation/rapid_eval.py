@@ -255,7 +255,7 @@ def evaluate_long(rapid, docs: Sequence[LongDocument], modes: Iterable[str], *,
     summary = summarise(rows)
     ordered = {s.name: summary[s.name] for s in specs if s.name in summary}
     return {"modes": ordered, "answers": rows, "skipped": skipped, "eta_chosen": chosen,
-            "dev": dev, "gamma": gamma if gamma is not None else rapid.gamma,
+            "dev": dev, "gamma": gamma if gamma is not None else rapid.config.speculation.gamma,
             "max_new_tokens": max_new_tokens}
 
 

@@ -12,11 +12,11 @@ built); the core engine does not need either.
 
 from ..core.errors import FingerprintMismatch
 from ..core.registry import ChunkRegistry
+from ..core.shared import shared_engine
 from .callbacks import TurboRAGRunCollector
 from .chat_model import TurboRAGChatModel
 from .embeddings import SentenceTransformerEmbeddings
 from .fingerprints import FINGERPRINT, KV_KEY, MODEL
-from .generation import shared_engine
 from .llm import TurboRAGLLM
 from .order import in_document_order
 from .vectorstore import KVCachingVectorStore

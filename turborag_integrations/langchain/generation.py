@@ -9,45 +9,29 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from typing import Any, Literal
 
 from langchain_core.documents import Document
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from ..core.engine import TurboRAGEngine
+from ..core.models import ModelConfig
+from ..core.shared import shared_engine
 from ..core.models import parse_device, parse_dtype
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
-from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
+from ..core.request import Request
 from ..core.run import GenerationStats, GenerationStream
 from ..core.settings import GenerationConfig
 from .fingerprints import check_metadata
 
 log = logging.getLogger(__name__)
 
-_ENGINES: dict[tuple[str | None, str, str], TurboRAGEngine] = {}
-_ENGINES_LOCK = threading.Lock()
-
 # Keyword arguments LangChain itself may pass down to _generate/_stream; not ours to refuse.
 _FRAMEWORK_KWARGS = {"stream", "ls_structured_output_format"}
 SAMPLING_KWARGS = {"max_tokens", "temperature", "top_p", "top_k", "seed"}
 _CALL_KWARGS = SAMPLING_KWARGS | {"mode", "chunks", "model", "encode_missing", "quantize", "draft",
                                   "recovery"}
-
-
-def shared_engine(model: str | None = None, device: str = "cpu",
-                  dtype: str = "float32") -> TurboRAGEngine:
-    """One engine per model, device and dtype per process, so a model loads once however many
-    adapters (and the vector store wrapper) ask for it by name. `None` is the bundled default
-    model."""
-    key = (model, device, dtype)
-    with _ENGINES_LOCK:
-        engine = _ENGINES.get(key)
-        if engine is None:
-            engine = _ENGINES[key] = TurboRAGEngine(model, progress=False, device=device,
-                                                    dtype=dtype)
-        return engine
 
 
 @functools.lru_cache(maxsize=8)
@@ -97,13 +81,11 @@ class SamplingParams(BaseModel):
 
     def generation_config(self, stop: list[str] | None, call: dict) -> GenerationConfig:
         """The GenerationConfig of one call: the fields, overridden by the call's arguments."""
-        stops = stop if stop is not None else self.stop
-        return GenerationConfig(
-            max_new_tokens=call.get("max_tokens", self.max_tokens),
-            temperature=call.get("temperature", self.temperature),
-            top_p=call.get("top_p", self.top_p), top_k=call.get("top_k", self.top_k),
-            seed=call.get("seed", self.seed), stop=tuple(stops or ()),
-            **self.decoding_options(call))
+        names = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        return GenerationConfig.from_options(
+            {name: getattr(self, name) for name in names}, {"stop": self.stop},
+            {name: call[name] for name in names if name in call}, {"stop": stop},
+            self.decoding_options(call))
 
 
 class TurboRAGParams(SamplingParams):
@@ -121,6 +103,11 @@ class TurboRAGParams(SamplingParams):
     """Where that model runs: cpu, cuda, cuda:N, mps or auto (the first accelerator there is)."""
     dtype: str = "float32"
     """Its weights' and blobs' dtype: float32, bfloat16, float16 or auto (the checkpoint's)."""
+    model_kwargs: dict = Field(default_factory=dict)
+    """Passed on to transformers' `from_pretrained` when loading that model (e.g.
+    `{"device_map": "auto"}`, `{"revision": ...}`; core/models.py `ModelConfig`)."""
+    tokenizer_kwargs: dict = Field(default_factory=dict)
+    """Passed on to the tokenizer's `from_pretrained`."""
     mode: Literal["turbo", "naive"] = "turbo"
     """"turbo" reuses cached document KV; "naive" prefills everything (the baseline)."""
     recovery: str | None = None
@@ -152,7 +139,7 @@ class TurboRAGParams(SamplingParams):
     @field_validator("recovery")
     @classmethod
     def _known_recovery(cls, spec: str | None) -> str | None:
-        parse_recovery(spec)  # a bad spec fails here, not at the first call
+        Request("", recovery=spec)  # a bad spec fails here (checked there), not at the first call
         return spec
 
     @field_validator("device")
@@ -167,12 +154,22 @@ class TurboRAGParams(SamplingParams):
         parse_dtype(dtype)
         return dtype
 
+    @model_validator(mode="after")
+    def _known_loading(self):
+        self.loading()  # bad from_pretrained arguments fail here, not at the first call
+        return self
+
     # ---- engine ---------------------------------------------------------------------------
+    def loading(self) -> ModelConfig:
+        """How the model is loaded when no engine is given (checked there)."""
+        return ModelConfig(device=self.device, dtype=self.dtype, model_kwargs=self.model_kwargs,
+                           tokenizer_kwargs=self.tokenizer_kwargs)
+
     def get_engine(self) -> TurboRAGEngine:
         engine = self.engine
         if engine is None:
             if self._engine is None:
-                self._engine = shared_engine(self.model_name, self.device, self.dtype)
+                self._engine = shared_engine(self.model_name, self.loading())
             engine = self._engine
         return engine if self.namespace is None else engine.namespaced(self.namespace)
 
@@ -251,7 +248,7 @@ class TurboRAGParams(SamplingParams):
         return engine.stream(prompt, chunks=chunks, config=self.generation_config(stop, call),
                              mode=mode, encode_missing=call.get("encode_missing",
                                                                 self.encode_missing),
-                             recovery=parse_recovery(call.get("recovery", self.recovery)))
+                             recovery=call.get("recovery", self.recovery))
 
     # ---- reporting ------------------------------------------------------------------------
     def response_metadata(self, stats: GenerationStats) -> dict:

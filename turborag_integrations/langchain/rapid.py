@@ -45,8 +45,9 @@ class RapidChatModel(SamplingParams, StreamingChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.rapid.target.loaded.name,
                 "drafter": self.rapid.drafter.loaded.name, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "gamma": self.gamma or self.rapid.gamma,
-                "eta": self.eta if self.eta is not None else self.rapid.eta}
+                "max_tokens": self.max_tokens, "gamma": self.gamma or self.rapid.config.speculation.gamma,
+                "eta": self.eta if self.eta is not None
+                else self.rapid.config.speculation.eta}
 
     @staticmethod
     def prompt_of(messages: list[BaseMessage]) -> str:

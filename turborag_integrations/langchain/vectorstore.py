@@ -16,21 +16,24 @@ document drops the blob unless another document has the same text.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
+from ..core.models import ModelConfig, parse_device, parse_dtype
 from ..core.engine import TurboRAGEngine
-from ..core.models import parse_device, parse_dtype
 from ..core.prefill.context import text_before
 from ..core.registry import ChunkRegistry
 from .fingerprints import FINGERPRINT, KV_KEY, METADATA_KEYS, MODEL, check_metadata
 from ..core.store.namespaces import namespaced_collection
-from .generation import shared_engine
+from ..core.shared import shared_engine
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +41,50 @@ _PRECHECK_PAGE = 256
 _PRECHECK_LIMIT = 4096  # documents without our metadata scanned at most, on construction
 
 
-def _chroma(embedding: Embeddings | None, persist_directory: str | None,
-            collection_name: str, chroma_url: str | None = None, chroma_client: Any = None,
-            **kwargs: Any) -> VectorStore:
-    """The default store: a Chroma collection over the server at `chroma_url`, over the
-    chromadb client `chroma_client`, embedded in `persist_directory`, or (none of them) in
-    memory."""
-    from langchain_chroma import Chroma
+@dataclass(frozen=True)
+class DefaultChroma:
+    """The Chroma collection the wrapper makes when given no store: on the Chroma server at
+    `chroma_url`, over the chromadb client `chroma_client`, embedded in `persist_directory`, or
+    (none of them) in memory; `embedding` None: the bundled MiniLM embeddings."""
 
-    if chroma_url and chroma_client is not None:
-        raise ValueError("give chroma_url or chroma_client, not both")
-    if persist_directory and (chroma_url or chroma_client is not None):
-        # Chroma would silently prefer the client: say it instead.
-        raise ValueError("persist_directory is for the embedded Chroma; a Chroma server keeps "
-                         "its own files (`chroma run --path DIR`): drop one of them")
-    if chroma_url:
-        from ..core.retrieval.chroma import chroma_client as connect
+    embedding: Embeddings | None = None
+    persist_directory: str | None = None
+    collection_name: str = "turborag"
+    chroma_url: str | None = None
+    chroma_client: Any = None
 
-        chroma_client = connect(url=chroma_url)  # fails here, with what to do, if none answers
-    if embedding is None:
-        from .embeddings import SentenceTransformerEmbeddings
+    def __post_init__(self) -> None:
+        if self.chroma_url and self.chroma_client is not None:
+            raise ValueError("give chroma_url or chroma_client, not both")
+        if self.persist_directory and (self.chroma_url or self.chroma_client is not None):
+            # Chroma would silently prefer the client: say it instead.
+            raise ValueError("persist_directory is for the embedded Chroma; a Chroma server "
+                             "keeps its own files (`chroma run --path DIR`): drop one of them")
 
-        embedding = SentenceTransformerEmbeddings()
-    return Chroma(collection_name=collection_name, embedding_function=embedding,
-                  persist_directory=str(persist_directory) if persist_directory else None,
-                  client=chroma_client, **kwargs)
+    def build(self, namespace: str | None) -> VectorStore:
+        from langchain_chroma import Chroma
 
+        client = self.chroma_client
+        if self.chroma_url:
+            from ..core.retrieval.chroma import chroma_client as connect
+
+            client = connect(url=self.chroma_url)  # fails here, saying what to do, if none answers
+        embedding = self.embedding
+        if embedding is None:
+            from .embeddings import SentenceTransformerEmbeddings
+
+            embedding = SentenceTransformerEmbeddings()
+        name = (self.collection_name if namespace is None
+                else namespaced_collection(self.collection_name, namespace))
+        return Chroma(collection_name=name, embedding_function=embedding,
+                      persist_directory=str(self.persist_directory) if self.persist_directory
+                      else None, client=client)
+
+
+# What the wrapper builds for the parts it is not given, by keyword: the shared engine of a
+# model, and the default Chroma collection.
+_ENGINE_OPTIONS = {"model", "device", "dtype", "model_kwargs", "tokenizer_kwargs"}
+_CHROMA_OPTIONS = {f.name for f in dataclasses.fields(DefaultChroma)}
 
 
 def _contexts(texts: Sequence[str], metadatas: list[dict] | None,
@@ -93,15 +114,9 @@ class KVCachingVectorStore(VectorStore):
     """Wraps `vectorstore` (default: embedded Chroma over the bundled MiniLM embeddings).
 
     Args:
-        vectorstore: the store to wrap; None builds a Chroma collection.
+        vectorstore: the store to wrap; None builds a Chroma collection (`DefaultChroma`).
         engine: the TurboRAGEngine whose model encodes the blobs (share it with the chat model);
             None uses the shared engine of `model`.
-        embedding, persist_directory, collection_name: for the default Chroma store only.
-        chroma_url: keep the default Chroma collection on the Chroma server at this URL (e.g.
-            "http://127.0.0.1:8000", started with `chroma run --path DIR --port 8000`) instead
-            of embedded; a bad URL or no server there raises ChromaURLError or
-            ChromaUnreachable, saying what to do.
-        chroma_client: or a chromadb client (`chromadb.HttpClient(...)`, ...) to keep it with.
         registry: where ingested and retrieved texts are recorded for the chat model (None:
             the engine's own, `ChunkRegistry.for_engine(engine)`).
         namespace: the store namespace (a tenant) the blobs go into: the engine's view
@@ -111,28 +126,46 @@ class KVCachingVectorStore(VectorStore):
         turborag_metadata: keep the `turborag_*` keys in returned documents' metadata. Off by
             default, so documents come back exactly as they were added.
         progress: callable(done, total) for encoding progress.
-        device, dtype: where the shared engine of `model` runs and its blobs' dtype (as
-            `TurboRAGChatModel(device=, dtype=)`; give both the same, or share one engine).
+
+    Keywords for the parts not given:
+        model, device, dtype, model_kwargs, tokenizer_kwargs: the shared engine when no
+            `engine` is given — the model, where it runs, its blobs' dtype and what its
+            `from_pretrained` is given (as `TurboRAGChatModel(model=, device=, ...)`; give both
+            the same, or share one engine).
+        embedding, persist_directory, collection_name, chroma_url, chroma_client: the default
+            Chroma store (`DefaultChroma`), refused beside a `vectorstore`. chroma_url keeps it
+            on the Chroma server at this URL (e.g. "http://127.0.0.1:8000", started with
+            `chroma run --path DIR --port 8000`) instead of embedded; a bad URL or no server
+            there raises ChromaURLError or ChromaUnreachable, saying what to do. chroma_client:
+            or a chromadb client (`chromadb.HttpClient(...)`, ...) to keep it with.
     """
 
     def __init__(self, vectorstore: VectorStore | None = None, *,
-                 engine: TurboRAGEngine | None = None, model: str | None = None,
-                 embedding: Embeddings | None = None, persist_directory: str | None = None,
-                 collection_name: str = "turborag", chroma_url: str | None = None,
-                 chroma_client: Any = None, registry: ChunkRegistry | None = None,
-                 check_fingerprint: bool = True, turborag_metadata: bool = False,
-                 progress: Callable[[int, int], None] | None = None,
-                 namespace: str | None = None, device: str = "cpu", dtype: str = "float32"):
+                 engine: TurboRAGEngine | None = None, registry: ChunkRegistry | None = None,
+                 namespace: str | None = None, check_fingerprint: bool = True,
+                 turborag_metadata: bool = False,
+                 progress: Callable[[int, int], None] | None = None, **defaults: Any):
+        unknown = sorted(set(defaults) - _ENGINE_OPTIONS - _CHROMA_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: "
+                            f"KVCachingVectorStore takes {', '.join(sorted(_ENGINE_OPTIONS))} "
+                            f"(the shared engine) and {', '.join(sorted(_CHROMA_OPTIONS))} (the "
+                            "default Chroma store) besides its own arguments")
+        chroma = {k: v for k, v in defaults.items() if k in _CHROMA_OPTIONS}
+        if vectorstore is not None and chroma:
+            raise ValueError(f"{', '.join(sorted(chroma))}: for the default Chroma store only, "
+                             "and a vectorstore was given: configure that store instead")
         if engine is None:
-            parse_device(device)  # an unknown or absent device fails before any load
-            parse_dtype(dtype)
-            engine = shared_engine(model, device, dtype)
+            loading = ModelConfig(**{k: v for k, v in defaults.items()
+                                     if k in _ENGINE_OPTIONS - {"model"}})
+            parse_device(loading.device)  # an unknown or absent device fails before any load
+            parse_dtype(loading.dtype)
+            engine = shared_engine(defaults.get("model"), loading)
         self.engine = engine
         if namespace is not None:
             self.engine = self.engine.namespaced(namespace)
-            collection_name = namespaced_collection(collection_name, namespace)
-        self.vectorstore = vectorstore if vectorstore is not None else _chroma(
-            embedding, persist_directory, collection_name, chroma_url, chroma_client)
+        self.vectorstore = (vectorstore if vectorstore is not None
+                            else DefaultChroma(**chroma).build(namespace))
         self.registry = registry if registry is not None else ChunkRegistry.for_engine(
             self.engine)
         self.check_fingerprint = check_fingerprint
@@ -252,19 +285,15 @@ class KVCachingVectorStore(VectorStore):
     @classmethod
     def from_texts(cls, texts: list[str], embedding: Embeddings,
                    metadatas: list[dict] | None = None, *, ids: list[str] | None = None,
-                   vectorstore: VectorStore | None = None, engine: TurboRAGEngine | None = None,
-                   model: str | None = None, persist_directory: str | None = None,
-                   collection_name: str = "turborag", chroma_url: str | None = None,
-                   chroma_client: Any = None, registry: ChunkRegistry | None = None,
-                   check_fingerprint: bool = True, turborag_metadata: bool = False,
-                   device: str = "cpu", dtype: str = "float32",
                    **kwargs: Any) -> "KVCachingVectorStore":
-        """Build the (default Chroma) store over `embedding`, then add and encode `texts`."""
-        store = cls(vectorstore, engine=engine, model=model, embedding=embedding,
-                    persist_directory=persist_directory, collection_name=collection_name,
-                    chroma_url=chroma_url, chroma_client=chroma_client, registry=registry,
-                    check_fingerprint=check_fingerprint, turborag_metadata=turborag_metadata,
-                    device=device, dtype=dtype)
+        """Build the store (the default Chroma over `embedding`, unless `vectorstore=` is
+        given), then add and encode `texts`. `kwargs`: the constructor's keywords, and the rest
+        for `add_texts`."""
+        own = set(inspect.signature(cls.__init__).parameters) | _ENGINE_OPTIONS | _CHROMA_OPTIONS
+        made = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+        if made.get("vectorstore") is None:
+            made["embedding"] = embedding
+        store = cls(**made)
         store.add_texts(texts, metadatas, ids=ids, **kwargs)
         return store
 

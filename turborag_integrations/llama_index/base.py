@@ -26,11 +26,10 @@ from ..core.settings import GenerationConfig
 
 
 def config_from(llm: Any, kwargs: dict, names: Sequence[str]) -> GenerationConfig:
-    """A GenerationConfig from the LLM's fields `names`, overridden by per-call kwargs."""
-    values = {name: kwargs.get(name, getattr(llm, name)) for name in names}
-    if "max_tokens" in kwargs:  # the OpenAI-style name some callers use
-        values["max_new_tokens"] = kwargs["max_tokens"]
-    return GenerationConfig(**values)
+    """A GenerationConfig from the LLM's fields `names`, overridden by per-call kwargs (by
+    those names, or the OpenAI-style `max_tokens`)."""
+    call = {k: v for k, v in kwargs.items() if k in names or k == "max_tokens"}
+    return GenerationConfig.from_options({name: getattr(llm, name) for name in names}, call)
 
 
 class StreamingLLM(CustomLLM):

@@ -19,12 +19,13 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..core.engine import TurboRAGEngine
-from ..core.models import DEFAULT_MODEL, parse_device, parse_dtype
+from ..core.config import EngineConfig
+from ..core.models import DEFAULT_MODEL, ModelConfig, parse_device, parse_dtype
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
-from ..core.prefill.recovery import parse_recovery
 from ..core.registry import ChunkRegistry
+from ..core.request import Request
 from ..core.run import GenerationResult, GenerationStream
-from ..core.settings import MODES, check_choice
+from ..core.shared import shared_engine
 from .base import StreamingLLM
 from .wiring import EngineBound
 
@@ -49,8 +50,10 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
     """A local causal LM served by a TurboRAGEngine.
 
     Give `engine=` to share one engine (its model and KV store) with the vector store and the
-    postprocessor; otherwise one is loaded from `model_name` and `store_path`. `mode="naive"`
-    makes the same LLM prefill everything: the baseline to compare TTFT against.
+    postprocessor. Without one, the LLM takes the process's shared engine of `model_name`
+    (core/shared.py: the one every adapter built without an engine takes), or, when it asks for
+    its own `store_path`, anchor, encoder or context, loads its own. `mode="naive"` makes the
+    same LLM prefill everything: the baseline to compare TTFT against.
     """
 
     stats_key: ClassVar[str] = STATS_KEY
@@ -75,8 +78,14 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                                  "full precision: the full-precision answers (GenerationConfig)")
     context_window: Optional[int] = Field(default=None,
                                           description="None: the model's own window")
-    anchor: str = Field(default="chat", description="what chunks are encoded after: chat | bos "
-                        "| none | a text (core/prefill/anchor.py); used when no engine is given")
+    anchor: Optional[str] = Field(default=None, description="what chunks are encoded after: chat "
+                                  "| bos | none | a text (core/prefill/anchor.py); None: the "
+                                  "engine's default (chat); used when no engine is given")
+    model_kwargs: dict = Field(default_factory=dict, description="passed on to transformers' "
+                               "from_pretrained when no engine is given (e.g. {'device_map': "
+                               "'auto'}; core/models.py ModelConfig)")
+    tokenizer_kwargs: dict = Field(default_factory=dict, description="passed on to the "
+                                   "tokenizer's from_pretrained when no engine is given")
     encoder: Optional[str] = Field(default="default", description="learned chunk encoding: "
                                    "'default' (shipped for the bundled model), None, or a file; "
                                    "used when no engine is given")
@@ -103,16 +112,22 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         if engine is not None:
             kwargs.setdefault("model_name", engine.loaded.name)
         super().__init__(**kwargs)
-        check_choice("mode", self.mode, MODES)
-        parse_recovery(self.recovery)  # a bad spec fails here, not at the first query
+        Request("", mode=self.mode, recovery=self.recovery)  # a bad one fails now (checked there)
         if engine is None:
             parse_device(self.device)  # an unknown or absent device fails before any load
             parse_dtype(self.dtype)
-            engine = TurboRAGEngine(self.model_name, store=self.store_path,
-                                    device=self.device, dtype=self.dtype,
-                                    anchor=self.anchor, encoder=self.encoder,
-                                    **({} if self.context_tokens is None
-                                       else {"context_tokens": self.context_tokens}))
+            loading = ModelConfig(device=self.device, dtype=self.dtype,
+                                  model_kwargs=self.model_kwargs,
+                                  tokenizer_kwargs=self.tokenizer_kwargs)
+            own = {name: getattr(self, name) for name in ("anchor", "context_tokens")
+                   if getattr(self, name) is not None}  # None: the engine's default
+            if self.encoder != "default":
+                own["encoder"] = self.encoder
+            if own or self.store_path is not None:  # its own store or encoding: its own engine
+                engine = TurboRAGEngine(self.model_name, store=self.store_path,
+                                        config=EngineConfig(model=loading), **own)
+            else:  # the process's engine of this model, shared with other adapters
+                engine = shared_engine(self.model_name, loading)
         self._bind(engine, registry, self.namespace)
         if self.context_window is None:
             self.context_window = engine.context_window

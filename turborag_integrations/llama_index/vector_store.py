@@ -50,7 +50,7 @@ def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAUL
     from ..core.retrieval.chroma import chroma_client
 
     if path is None and not url:
-        from ..core.models import cache_dir
+        from ..core.environment import cache_dir
 
         path = cache_dir() / "chroma"
     client = chroma_client(path, url)

@@ -11,11 +11,12 @@ from ..core.registry import ChunkRegistry
 
 
 def resolve_engine(engine):
-    """Accept an engine, or anything that holds one (a TurboRAGLLM); None loads the default."""
+    """Accept an engine, or anything that holds one (a TurboRAGLLM); None: the process's shared
+    engine of the bundled model (core/shared.py)."""
     if engine is None:
-        from ..core.engine import TurboRAGEngine
+        from ..core.shared import shared_engine
 
-        return TurboRAGEngine()
+        return shared_engine()
     inner = getattr(engine, "engine", None)
     if inner is not None and not hasattr(engine, "encode_chunks"):
         return inner

@@ -2,6 +2,7 @@
 health and metrics.
 
     app = create_app(engine, max_batch=8)  # or: turborag serve --model ... --store ...
+                                           # (settings: ServerConfig, server/config.py)
 
     POST /v1/chat/completions, /v1/completions    OpenAI's bodies; "stream": true for SSE
     POST /v1/turborag/chunks                      {"texts": [...]}: encode blobs, index texts
@@ -32,10 +33,11 @@ from ..core.batching import BatchScheduler, on_own_thread
 from ..core.engine import TurboRAGEngine
 from ..core.prompt_template import Template, render_prompt_template
 from ..core.registry import ChunkRegistry
-from ..core.settings import DEFAULT_RECOVERY, MODES, check_choice
+from ..core.config import EngineConfig
+from ..core.settings import with_fields
+from .config import ServerConfig
 from .finder import ChunkFinder
 from .guards import Authenticate, LimitBody
-from .keys import KeyFile
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import APIError, Reply
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
@@ -45,10 +47,6 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/turborag/chunks", "/v1/models",
              "/health", "/metrics")
-MAX_BATCH = 8
-MAX_QUEUE = 64
-MAX_BODY_BYTES = 8 * 2**20  # 8 MiB: a 32K-token prompt is ≈128 KB; ingestion batches are larger
-BODY_TIMEOUT_S = 30.0  # to receive a whole body: 8 MiB at 2 Mbit/s
 
 
 def param_name(loc: tuple) -> str | None:
@@ -85,48 +83,28 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param, code=kind)
 
 
-def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
-               model_name: str | None = None, default_max_tokens: int | None = None,
-               mode: str = "turbo", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-               max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-               keys: KeyFile | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
+               registry: ChunkRegistry | None = None, **settings) -> FastAPI:
     """The server over `engine`.
 
-    registry: where adapters in this process record chunk texts, followed by the server's
-    lookup (default: the engine's own, `ChunkRegistry.for_engine`). model_name: the name
-    clients must send as `model` (default: the engine's model). default_max_tokens: the limit
-    of a chat completion that sets none (default: the rest of the context window). mode:
-    "turbo", or "naive" to prefill every prompt whole (no reuse: the baseline), for requests
-    that do not set `turborag_mode`. max_batch: requests decoded together. max_queue: requests
-    that may wait for the model; more get a 429. max_body_bytes: larger bodies get a 413.
-    body_timeout_s: a body not received whole within it gets a 408.
-    api_key: when set, every /v1/ request must send `Authorization: Bearer <api_key>`.
-    keys: instead of one key, a keys file of tenants' keys (keys.py): each request works in its
-    tenant's namespace of the store and index (service.py), /metrics needs an admin key and
-    counts per tenant, and /health says only that the server is up.
+    config: a ServerConfig (server/config.py: the model name clients send, the default mode,
+    batch and queue sizes, body limits, the API key or the tenants' keys file); `settings` are
+    its fields by name, applied on top of it. registry: where adapters in this process record
+    chunk texts, followed by the server's lookup (default: the engine's own,
+    `ChunkRegistry.for_engine`).
 
     The app's `BatchScheduler` (`app.state.scheduler`) owns the model from now on and stops
     when the app shuts down: run nothing else on the engine meanwhile (`scheduler.call` runs a
     function on its thread), and serve an engine from one app.
     """
-    check_choice("mode", mode, MODES)
-    for name, value in (("max_batch", max_batch), ("max_queue", max_queue),
-                        ("max_body_bytes", max_body_bytes)):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, not {value}")
-    if api_key is not None and not api_key:
-        raise ValueError("the API key is empty: pass a key, or None to serve without one")
-    if api_key is not None and keys is not None:
-        raise ValueError("serve one API key or a keys file of tenants, not both")
+    config = with_fields(config or ServerConfig(), "server", **settings)
+    keys = config.keys
     finder = ChunkFinder(registry if registry is not None else ChunkRegistry.for_engine(engine))
-    scheduler = BatchScheduler(engine, max_batch=max_batch)
+    scheduler = BatchScheduler(engine, max_batch=config.max_batch)
     metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
                       decode_steps=lambda: scheduler.steps, decode_rows=lambda: scheduler.rows,
                       indexed_chunks=lambda: service.indexed)
-    service = Service(engine, finder, scheduler, metrics,
-                      model_name=model_name or engine.loaded.name,
-                      default_max_tokens=default_max_tokens, mode=mode, max_queue=max_queue,
-                      tenants=keys is not None)
+    service = Service(engine, finder, scheduler, metrics, config)
     started = int(time.time())
 
     @asynccontextmanager
@@ -140,9 +118,10 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     app.state.service = service
     app.state.scheduler = scheduler
     # Outermost last: count every request, then check its key, then its size.
-    app.add_middleware(LimitBody, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
-    if api_key is not None or keys is not None:
-        app.add_middleware(Authenticate, api_key=api_key, keys=keys)
+    app.add_middleware(LimitBody, max_bytes=config.max_body_bytes,
+                       timeout_s=config.body_timeout_s)
+    if config.api_key is not None or keys is not None:
+        app.add_middleware(Authenticate, api_key=config.api_key, keys=keys)
     app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS,
                        tenants=keys is not None)
 
@@ -201,15 +180,10 @@ def create_app(engine: TurboRAGEngine, *, registry: ChunkRegistry | None = None,
     return app
 
 
-def serve(*, model: str | None = None, store: str | Path | None = None,
-          host: str = "127.0.0.1", port: int = 8000, encoder: str | None = "default",
-          mode: str = "turbo", recovery: str = DEFAULT_RECOVERY, max_batch: int = MAX_BATCH,
-          max_queue: int = MAX_QUEUE,
-          max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
-          keys: str | Path | None = None, threads: int | None = None,
-          question_last: bool = False, context_tokens: int | None = None,
-          prompts: Sequence[Template] = (), device: str = "cpu",
-          dtype: str = "float32") -> None:
+def serve(model: str | None = None, *, store: str | Path | None = None,
+          config: EngineConfig | None = None, server: ServerConfig | None = None,
+          prompts: Sequence[Template] = (), host: str = "127.0.0.1", port: int = 8000,
+          threads: int | None = None) -> None:
     """Load the engine, warm it up, and serve it with uvicorn until interrupted.
 
     The model is loaded on a thread that ends, and warmed up on the scheduler's: from then on
@@ -219,7 +193,8 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
     OpenMP threads busy as there are cores, and every operation then waits for threads the other
     process has taken (measured: 5.8x fewer requests/s; docs/serving.md). `prompts`: the
     clients' prompt templates (core/prompt_template.py), whose heads get lead blobs.
-    `device`, `dtype`: where the model runs and in what (core/models.py parse_device).
+    config: the engine's (core/config.py: device, dtype, encoding, recovery); server: the
+    app's (server/config.py).
     """
     import uvicorn
 
@@ -230,18 +205,11 @@ def serve(*, model: str | None = None, store: str | Path | None = None,
             raise ValueError(f"threads must be at least 1, not {threads}")
         torch.set_num_threads(threads)  # before any thread that runs torch starts
     log.info("torch threads: %d", torch.get_num_threads())
-    key_file = KeyFile(keys) if keys is not None else None  # a missing file fails before loading
-    engine_options = {} if context_tokens is None else {"context_tokens": context_tokens}
-    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store,
-                                                   encoder=encoder, recovery=recovery,
-                                                   question_last=question_last,
-                                                   device=device, dtype=dtype,
-                                                   **engine_options))
+    engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, config=config))
     with engine:
         for template in prompts:  # a template the engine cannot take fails before serving
             head = engine.add_prompt(render_prompt_template(template, engine.render_chat))
             log.info("lead blobs after a prompt head of %d characters", len(head))
-        app = create_app(engine, mode=mode, max_batch=max_batch, max_queue=max_queue,
-                         max_body_bytes=max_body_bytes, api_key=api_key, keys=key_file)
+        app = create_app(engine, config=server)
         app.state.scheduler.call(engine.warmup).result()
         uvicorn.run(app, host=host, port=port, log_level="info")

@@ -12,7 +12,7 @@ So the worker runs no tokenizer, the event loop no torch, and no thread waits pe
 worker thread for the model, one event loop for everything else (vLLM's `OutputProcessor` splits
 its engine the same way).
 
-    stream = outputs.add("chatcmpl-1", prompt, config=config, mode="turbo")
+    stream = outputs.add("chatcmpl-1", Request(prompt, chunks, config, namespace=tenant))
     while (event := await stream.next()) is not None:  # ("delta", text) … ("done", result)
         ...
 """
@@ -24,9 +24,8 @@ from typing import Callable, Iterable
 
 from ..core.batching import BatchScheduler, RequestOutput
 from ..core.decode.loop import now
-from ..core.engine import TurboRAGEngine
+from ..core.request import Request
 from ..core.run import GenerationResult, RunProgress
-from ..core.settings import GenerationConfig
 
 Event = tuple[str, object]  # ("delta", str) | ("done", GenerationResult) | ("error", exception)
 
@@ -73,17 +72,15 @@ class OutputLoop:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def add(self, request_id: str, prompt: str, *, chunks: Iterable[str] = (),
-            config: GenerationConfig, mode: str = "turbo", engine: TurboRAGEngine | None = None,
-            recovery: str | None = None,
+    def add(self, request_id: str, request: Request, *,
             on_end: Callable[[GenerationResult], None] | None = None) -> RequestStream:
-        """Add a request to the scheduler (arguments as `BatchScheduler.add_request`) and return
-        its stream. Call on the event loop. on_end: called there with the result of every
+        """Add a request to the scheduler (as `BatchScheduler.add_request`) and return its
+        stream. Call on the event loop. on_end: called there with the result of every
         generation that was prefilled, however it ended (a client that left included), before
         its "done" event."""
         if request_id in self._streams:
             raise ValueError(f"a request with the id {request_id!r} is in flight")
-        stream = RequestStream(request_id, config.stop, on_end)
+        stream = RequestStream(request_id, request.config.stop, on_end)
         loop = asyncio.get_running_loop()
 
         def on_output(output: RequestOutput) -> None:  # on the scheduler's worker
@@ -94,9 +91,7 @@ class OutputLoop:
 
         self._streams[request_id] = stream
         try:
-            self.scheduler.add_request(request_id, prompt, chunks=chunks, config=config,
-                                       mode=mode, engine=engine, recovery=recovery,
-                                       on_output=on_output)
+            self.scheduler.add_request(request_id, request, on_output=on_output)
         except BaseException:
             del self._streams[request_id]
             raise

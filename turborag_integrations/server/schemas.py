@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..core.prefill.recovery import parse_recovery
+from ..core.request import Request
 
 # vLLM's rules for a cache salt (vllm/entrypoints/generate/base/protocol.py), so that a salt a
 # client uses with this server is one vLLM takes too
@@ -109,7 +109,7 @@ class CompletionParams(Salted):
     @field_validator("turborag_recovery")
     @classmethod
     def _recovery(cls, value: str | None) -> str | None:
-        parse_recovery(value)  # a spec that does not parse is a 400 naming the accepted ones
+        Request("", recovery=value)  # a spec that does not parse: a 400 naming the accepted ones
         return value
 
     @property

@@ -35,9 +35,11 @@ from starlette.responses import Response
 
 from ..core.batching import BatchScheduler
 from ..core.engine import TurboRAGEngine
+from ..core.request import Request as Generation
 from ..core.run import GenerationResult
 from ..core.settings import GenerationConfig
 from ..core.store.namespaces import PUBLIC, namespace_of, readable
+from .config import ServerConfig
 from .disconnect import ClientGone, Disconnection
 from .finder import ChunkFinder
 from .keys import Principal
@@ -66,13 +68,12 @@ def request_namespace(principal: Principal, salt: str | None, public: bool = Fal
 
 class Service:
     def __init__(self, engine: TurboRAGEngine, finder: ChunkFinder, scheduler: BatchScheduler,
-                 metrics: Metrics, *, model_name: str, default_max_tokens: int | None = None,
-                 mode: str = "turbo", max_queue: int = 64, tenants: bool = False):
-        """default_max_tokens: the limit of a chat completion that sets none; None lets it run
-        to the end of the context window, as OpenAI's chat models do. mode: "turbo" (reuse the
-        chunks' blobs) or "naive" (prefill every prompt whole: the baseline to compare with),
-        for requests that do not set `turborag_mode`. max_queue: how many requests may wait.
-        tenants: requests carry a tenant (a keys file): the metrics count per tenant too.
+                 metrics: Metrics, config: ServerConfig):
+        """config: the server's (server/config.py) — the model name clients send, the limit of
+        a completion that sets none (None lets it run to the end of the context window, as
+        OpenAI's chat models do), the mode of requests that set no `turborag_mode`, how many
+        requests may wait, and whether requests carry a tenant (a keys file: the metrics count
+        per tenant too).
 
         Each request works in its namespace (`request_namespace`): its tenant's, split by its cache
         salt. The texts found in its prompt are looked up there, in its tenant's when it has a
@@ -80,13 +81,13 @@ class Service:
         from those namespaces' stores, and what it encodes goes into its own."""
         self.engine = engine
         self.finders = {"": finder}  # the default namespace's follows in-process adapters
-        self.tenants = tenants
+        self.tenants = config.tenants
         self.scheduler = scheduler
         self.metrics = metrics
-        self.model_name = model_name
-        self.default_max_tokens = default_max_tokens
-        self.mode = mode
-        self.max_queue = max_queue
+        self.model_name = config.model_name or engine.loaded.name
+        self.default_max_tokens = config.default_max_tokens
+        self.mode = config.mode
+        self.max_queue = config.max_queue
         self.waiting = 0  # requests waiting for the model (touched on the event loop only)
         self.outputs = OutputLoop(scheduler)
         self.lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="turborag-lookup")
@@ -123,12 +124,10 @@ class Service:
     def generation_config(self, req: CompletionParams) -> GenerationConfig:
         limit = req.token_limit or self.default_max_tokens or self.engine.context_window
         try:
-            return GenerationConfig(
-                max_new_tokens=limit,
-                temperature=(req.temperature if req.temperature is not None
-                             else OPENAI_DEFAULT_TEMPERATURE),
-                top_p=req.top_p if req.top_p is not None else 1.0, seed=req.seed,
-                stop=req.stop or (), ignore_eos=req.ignore_eos)
+            return GenerationConfig.from_options(
+                {"temperature": OPENAI_DEFAULT_TEMPERATURE},  # OpenAI's, not greedy
+                {"max_tokens": limit, "temperature": req.temperature, "top_p": req.top_p,
+                 "seed": req.seed, "stop": req.stop, "ignore_eos": req.ignore_eos})
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -157,15 +156,19 @@ class Service:
         mode = req.turborag_mode or self.mode
         named = list(dict.fromkeys(req.turborag_chunks or ())) if mode == "turbo" else []
         principal = principal_of(request)
-        view = self.view(request_namespace(principal, req.cache_salt))
+        namespace = request_namespace(principal, req.cache_salt)
+        view = self.view(namespace)
         with Disconnection(request) as client:
             with self._queued():
                 try:
                     chunks, lookup_s = ((await client.wait(self._chunks_in(prompt, named, view)))
                                         if mode == "turbo" else ([], 0.0))
+                    # the request whole, as the scheduler answers it: its tenant travels in it
+                    generation = Generation(prompt, tuple(chunks), config, mode,
+                                            recovery=req.turborag_recovery, namespace=namespace,
+                                            shared=readable(namespace)[1:])
                     stream = self.outputs.add(
-                        reply.id, prompt, chunks=chunks, config=config, mode=mode, engine=view,
-                        recovery=req.turborag_recovery,
+                        reply.id, generation,
                         on_end=lambda result: self._ended(result, reply.id, lookup_s, principal))
                 except ClientGone:  # it left during the lookup: never submitted
                     return Response(status_code=CLIENT_GONE)

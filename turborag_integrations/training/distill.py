@@ -294,13 +294,14 @@ def training_contexts(tok, chunks: Sequence[str], pool: Sequence[str], context_t
     return out
 
 
-def build_examples(tok, items, anchor: Sequence[int], num_soft: int, pad_id: int,
-                   max_tokens: int, min_chunks: int, context_tokens: int = 0,
-                   seed: int = 0) -> list[DistillExample]:
-    """The items' examples; `max_tokens` bounds the stitched prompt without its contexts (their
-    tokens are hidden and add only to the cost of a step). Contexts are always made up
-    (`training_contexts`): an item's own `contexts`, which evaluation reads, are not used."""
-    rng = random.Random(seed)
+def build_examples(tok, items, anchor: Sequence[int], pad_id: int, cfg: DistillConfig,
+                   max_tokens: int) -> list[DistillExample]:
+    """The items' examples under `cfg` (its soft tokens, min_chunks, context_tokens and seed);
+    `max_tokens` bounds the stitched prompt without its contexts (their tokens are hidden and
+    add only to the cost of a step). Contexts are always made up (`training_contexts`): an
+    item's own `contexts`, which evaluation reads, are not used."""
+    num_soft, min_chunks, context_tokens = cfg.soft_tokens, cfg.min_chunks, cfg.context_tokens
+    rng = random.Random(cfg.seed)
     pool = sorted({c.strip() for it in items for c in it.chunks}) if context_tokens else []
     out = []
     for it in items:
@@ -372,9 +373,8 @@ def distill(cfg: DistillConfig, *, loaded=None, eval_sets: Sequence[str | Path] 
     fp = fingerprint_model(model, tok, loaded.name)
     anchor = anchor_ids(cfg.anchor, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    examples = build_examples(tok, report.items, anchor, cfg.soft_tokens, pad,
-                              min(cfg.max_tokens, loaded.context_window), cfg.min_chunks,
-                              cfg.context_tokens, cfg.seed)
+    examples = build_examples(tok, report.items, anchor, pad, cfg,
+                              min(cfg.max_tokens, loaded.context_window))
     if not examples:
         raise ValueError("no training example fits --max-tokens")
     lengths = sorted(len(e.ids) for e in examples)

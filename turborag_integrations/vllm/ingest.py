@@ -42,6 +42,7 @@ from ..core.library import head_ids
 from ..core.prefill.anchor import DEFAULT_ANCHOR, anchor_ids
 from ..core.prefill.chunk_encoder import chunk_encoding, chunk_token_ids
 from ..core.prefill.context import DEFAULT_CONTEXT_TOKENS, context_token_ids
+from ..core.settings import with_fields
 from ..core.store.namespaces import check_namespace
 
 INGEST = "turborag_ingest"  # kv_transfer_params: true asks for the prompt's chunk to be stored
@@ -198,34 +199,53 @@ def _tokenizer(spec):
         return spec
     from transformers import AutoTokenizer
 
-    from ..core.models import CATALOG, prepare_bundled
+    from ..core.bundled import CATALOG, prepare_bundled
 
     return AutoTokenizer.from_pretrained(
         str(prepare_bundled(spec, progress=False)) if spec in CATALOG else spec)
 
 
-def ingest(texts: Sequence[str], *, url: str, model: str, tokenizer=None,
-           anchor: str | None = DEFAULT_ANCHOR, namespace: str = "",
-           doc_ids: Sequence[str | None] | None = None, concurrency: int = 8,
-           timeout: float = 600.0, api_key: str | None = None,
+@dataclass(frozen=True)
+class IngestOptions:
+    """How `ingest` encodes and sends. tokenizer: a tokenizer, or a bundled model name or folder
+    to load one from (None: the served model's name); anchor: the connector's (its extra
+    config's "anchor", default "chat"); context_tokens: the connector's "context_tokens", whose
+    default this is (a connector with fewer refuses requests with more); heads: an app's prompt
+    heads (the text its prompts have before the first chunk, as
+    `TurboRAGEngine.add_prompt_head` takes it). concurrency: requests in flight (vLLM batches
+    them); timeout: seconds per request; api_key: the server's, if it has one."""
+
+    tokenizer: object = None
+    anchor: str | None = DEFAULT_ANCHOR
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    heads: tuple[str, ...] = ()
+    concurrency: int = 8
+    timeout: float = 600.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", tuple(self.heads))
+
+
+def ingest(texts: Sequence[str], *, url: str, model: str, namespace: str = "",
+           doc_ids: Sequence[str | None] | None = None,
            contexts: Sequence[str | None] | None = None,
-           context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-           heads: Sequence[str] = ()) -> IngestReport:
+           options: IngestOptions | None = None, **settings) -> IngestReport:
     """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
 
     url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
-    name; tokenizer: a tokenizer, or a bundled model name or folder to load one from (default:
-    `model`); anchor: the connector's (its extra config's "anchor", default "chat"). Each text
-    is one completions request of one new token, `concurrency` at a time: vLLM batches them.
-    contexts: the text before each one in its document (None for none), encoded before it as
-    `encode_chunks` does, up to `context_tokens` tokens: the connector's "context_tokens", whose
-    default this is (a connector with fewer refuses requests with more).
-    heads: an app's prompt heads (the text its prompts have before the first chunk, as
-    `TurboRAGEngine.add_prompt_head` takes it): each text is also sent right after each head,
-    and stored as that head's lead blob, which the connector claims for a prompt's first chunk.
+    name. Each text is one completions request of one new token. contexts: the text before each
+    one in its document (None for none), encoded before it as `encode_chunks` does, up to
+    `context_tokens` tokens. options: an IngestOptions (the tokenizer, anchor, context tokens and
+    prompt heads the connector encodes with; concurrency, timeout, API key); `settings` are its
+    fields by name. With heads, each text is also sent right after each head and stored as that
+    head's lead blob, which the connector claims for a prompt's first chunk.
     A text that cannot be tokenized (empty) raises before anything is sent; a request the server
     refuses is reported in `errors`; a server that cannot be reached raises ConnectionError.
     """
+    o = with_fields(options or IngestOptions(), "vLLM ingestion", **settings)
+    tokenizer, anchor, context_tokens, heads = o.tokenizer, o.anchor, o.context_tokens, o.heads
+    concurrency, timeout, api_key = o.concurrency, o.timeout, o.api_key
     if doc_ids is not None and len(doc_ids) != len(texts):
         raise ValueError(f"{len(doc_ids)} doc_ids for {len(texts)} texts")
     if contexts is not None and len(contexts) != len(texts):

@@ -42,19 +42,22 @@ def kv_transfer_config(store: str, *, encoder: str | None = None, anchor: str | 
             "kv_connector_extra_config": extra}
 
 
-def server_argv(python: str | Path, model_dir: str | Path, config: dict, *, host: str,
-                port: int, dtype: str = "float32", max_model_len: int | None = None,
-                served_name: str | None = None, enforce_eager: bool = True,
-                extra: Sequence[str] = ()) -> list[str]:
+def server_argv(python: str | Path, model_dir: str | Path, config: dict, *,
+                extra: Sequence[str] = (), **flags) -> list[str]:
+    """The command that starts vLLM's OpenAI server on `model_dir` with `config` as its
+    --kv-transfer-config. flags: vLLM's own options by their Python names (host="127.0.0.1",
+    port=8000, dtype, max_model_len, served_model_name, ...): a value becomes `--name value`,
+    True a bare `--name`, None or False nothing. dtype defaults to float32 and enforce_eager to
+    True (on a CPU: no graph compilation to wait for). extra: further arguments as given."""
+    flags = {"dtype": "float32", "enforce_eager": True, **flags}
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--dtype", dtype, "--host", host, "--port", str(port),
             "--kv-transfer-config", json.dumps(config)]
-    if served_name:
-        argv += ["--served-model-name", served_name]
-    if max_model_len:
-        argv += ["--max-model-len", str(max_model_len)]
-    if enforce_eager:
-        argv.append("--enforce-eager")  # on CPU: no graph compilation to wait for
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
     return argv + list(extra)
 
 

@@ -11,6 +11,7 @@ from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.decode.fast import FastDecoder, stock_step, unsupported_reason
 from turborag_integrations.core.decode.matmul import gemm, int8_available
 from turborag_integrations.core.decode.loop import decode_loop, step_function
+from turborag_integrations.core.decode.start import DecodeStart
 from turborag_integrations.core.settings import GenerationConfig
 
 
@@ -60,7 +61,7 @@ def test_tiny_models_answer_different_prompts_differently(tiny):
     for text in ("Once upon a time", "The river Xan flows north", "Bob keeps three", "1901"):
         ids = prompt_ids(tok, text)
         cache, logits = prefill(model, ids, 12)
-        answers.append(tuple(decode_loop(model, cache, logits, len(ids),
+        answers.append(tuple(decode_loop(model, DecodeStart(cache, logits, len(ids)),
                                          GenerationConfig(max_new_tokens=12), set())))
     assert len(set(answers)) >= 3
     assert all(len(set(a)) >= 2 for a in answers)
@@ -106,7 +107,8 @@ def test_greedy_decode_matches_hf_generate(model_type):
     n = 24
     ref = hf_greedy(model, ids, n, tok.pad_token_id)
     cache, logits = prefill(model, ids, n)
-    got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
+    got = list(decode_loop(model, DecodeStart(cache, logits, len(ids)),
+                           GenerationConfig(max_new_tokens=n), set()))
     assert len(got) == n and matches_reference(got, ref, n, model)
 
 
@@ -117,7 +119,8 @@ def test_sampling_matches_the_stock_loop_for_a_seed(tiny):
     runs = []
     for fast in (True, False):
         cache, logits = prefill(model, ids)
-        runs.append(list(decode_loop(model, cache, logits, len(ids), config, set(), fast=fast)))
+        runs.append(list(decode_loop(model, DecodeStart(cache, logits, len(ids)), config, set(),
+                                     fast=fast)))
     assert runs[0] == runs[1]
     assert len(runs[0]) == 20
 
@@ -133,7 +136,8 @@ def test_unsupported_models_fall_back_to_the_stock_forward():
         ids = prompt_ids(loaded.tokenizer)
         cache, logits = prefill(model, ids)
         # the stock step still decodes
-        out = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=3), set()))
+        out = list(decode_loop(model, DecodeStart(cache, logits, len(ids)),
+                               GenerationConfig(max_new_tokens=3), set()))
         assert len(out) == 3
     finally:
         model.eval()
@@ -203,7 +207,8 @@ def test_real_model_greedy_matches_hf_generate(smollm2):
     n = 12
     ref = hf_greedy(model, ids, n, tok.eos_token_id)
     cache, logits = prefill(model, ids, n)
-    got = list(decode_loop(model, cache, logits, len(ids), GenerationConfig(max_new_tokens=n), set()))
+    got = list(decode_loop(model, DecodeStart(cache, logits, len(ids)),
+                           GenerationConfig(max_new_tokens=n), set()))
     assert len(got) == n and matches_reference(got, ref, n, model)
 
 
@@ -282,11 +287,12 @@ def test_decode_loop_takes_its_matmul_without_the_environment(tiny_llama, monkey
     runs = {}
     for matmul, fast in (("linear", True), (None, False)):
         cache, logits = prefill(model, ids)
-        runs[matmul] = list(decode_loop(model, cache, logits, len(ids), config, set(),
+        runs[matmul] = list(decode_loop(model, DecodeStart(cache, logits, len(ids)), config, set(),
                                         fast=fast, matmul=matmul))
     assert runs["linear"] == runs[None]  # F.linear decodes as the stock forward does
     assert step_function(model, matmul="linear").__self__.matmul == "linear"
     assert step_function(model).__self__.matmul == "gemm"  # the environment's default
     cache, logits = prefill(model, ids)
     with pytest.raises(ValueError, match="matmul"):
-        next(iter(decode_loop(model, cache, logits, len(ids), config, set(), matmul="blas")))
+        next(iter(decode_loop(model, DecodeStart(cache, logits, len(ids)), config, set(),
+                              matmul="blas")))

@@ -12,6 +12,7 @@ from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.decode.matmul import int8_available
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.decode.loop import decode_loop
+from turborag_integrations.core.decode.start import DecodeStart
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.decode.selfspec import DraftStats
 from turborag_integrations.core.store import KVStore
@@ -28,7 +29,8 @@ def prefill(model, ids, capacity=64):
 
 def decode(model, ids, config, stats=None, eos=()):
     cache, logits = prefill(model, ids, config.max_new_tokens + config.draft_tokens + 2)
-    out = list(decode_loop(model, cache, logits, len(ids), config, set(eos), draft_stats=stats))
+    out = list(decode_loop(model, DecodeStart(cache, logits, len(ids)), config, set(eos),
+                           draft_stats=stats))
     return out, cache
 
 

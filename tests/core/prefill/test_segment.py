@@ -130,4 +130,4 @@ def test_separators_can_be_prefilled_instead(tmp_path):
     prompt = "Context:\n" + "\n\n".join(CHUNKS) + "\n\nQuestion: who?"
     segments, _, _ = engine.segments(prompt, CHUNKS)
     assert [s.text for s in segments if s.cached] == ["Context:\n", *CHUNKS]
-    assert engine.namespaced("a").stitch_separators is False
+    assert engine.namespaced("a").config.query.separators is False

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError
-from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.settings import GenerationConfig, SpeculationConfig
 from turborag_integrations.core.models import LoadedModel
 from turborag_integrations.core.decode.sampling import (Verdict, accept_drafts, augmented_probs,
                                                         residual_probs)
@@ -152,7 +152,7 @@ def test_caches_equal_fresh_prefill_after_every_round(target):
         dside = Side(engine.model, pre_d.cache, pre_d.logits, pre_d.next_position)
         config = GenerationConfig(max_new_tokens=24, temperature=temperature, seed=3)
         accepted: list[int] = []
-        for rnd in speculate(tside, dside, config, gamma=2):
+        for rnd in speculate(tside, dside, config, SpeculationConfig(gamma=2)):
             accepted += rnd.tokens
             if rnd.drafted:
                 full += rnd.accepted == rnd.drafted
@@ -219,7 +219,8 @@ def _sample_second_tokens(rule, n: int) -> tuple[torch.Tensor, torch.Tensor]:
                 cache.truncate(len(prompt))  # rollback is all it takes to start again
                 sides.append(Side(m, cache, logits, len(prompt)))
             out = []
-            for rnd in speculate(*sides, config, gamma=2, generator=gen, accept=rule):
+            for rnd in speculate(*sides, config, SpeculationConfig(gamma=2), generator=gen,
+                                 accept=rule):
                 out += rnd.tokens
             counts[0, out[1]] += 1
             counts[1, out[2]] += 1
@@ -597,7 +598,7 @@ def test_reference_context_preset(target):
     from turborag_integrations.core.rapid import REFERENCE_CONTEXT
 
     rapid = RapidEngine.reference(target, gamma=3)
-    assert rapid.chunk_tokens == 128 and rapid.gamma == 3
+    assert rapid.config.chunk_tokens == 128 and rapid.config.speculation.gamma == 3
     assert REFERENCE_CONTEXT["chunk_tokens"] == 128
     # max(|C| / 32, 4096), never more than the context itself
     assert rapid.drafter_budget(100_000) == 4096
@@ -622,7 +623,7 @@ def test_changed_chunk_size_is_not_served_stale_chunks(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
     rapid = RapidEngine(engine, chunk_tokens=80, threshold=-1.0, compression=1.0)
     big = rapid.drafter_context(CONTEXT, QUESTION).candidates
-    rapid.chunk_tokens = 40
+    rapid.config = rapid.config.with_settings(chunk_tokens=40)
     small = rapid.drafter_context(CONTEXT, QUESTION).candidates
     assert small > big
 

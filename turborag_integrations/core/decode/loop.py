@@ -13,6 +13,7 @@ from ..settings import GenerationConfig
 from .fast import FastDecoder, stock_step
 from .sampling import Sampler
 from .selfspec import DraftStats, drafter_for, speculative_decode
+from .start import DecodeStart
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +88,26 @@ def step_function(model, quantize: str | None = None, fast: bool = True,
     return lambda token, position, cache: stock_step(model, token, position, cache)
 
 
-def decode_loop(model, cache, logits: torch.Tensor, position: int, config: GenerationConfig,
-                eos_ids: set[int], max_new_tokens: int | None = None, *,
-                fast: bool = True, draft_stats: DraftStats | None = None,
+def decode_loop(model, start: DecodeStart, config: GenerationConfig, eos_ids: set[int],
+                max_new_tokens: int | None = None, *, fast: bool = True,
+                draft_stats: DraftStats | None = None,
                 matmul: str | None = None) -> Iterator[int]:
-    """Yield new token ids; the cache grows by each token as it is fed back.
+    """Yield new token ids from `start` (the prompt's cache, last logits and next position);
+    the cache grows by each token as it is fed back.
 
     The token is yielded before its forward step, so a consumer that stops early never pays
     for a step it does not use. fast=False runs every step through the model's stock forward
     (the reference the fast path is tested against). matmul: the fast path's products
     ("linear", "gemm", "auto"; None: TURBORAG_DECODE_MATMUL, see `FastDecoder.for_model`).
     """
+    cache, logits, position = start
     sampler = Sampler(config)
     limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
     if config.draft and fast and limit > 1:
         drafter = drafter_for(model, config.draft)
         if drafter is not None:
-            yield from speculative_decode(model, drafter, cache, logits, position, config,
-                                          eos_ids, limit, sampler, draft_stats)
+            yield from speculative_decode(model, drafter, start, config, eos_ids, limit,
+                                          sampler, draft_stats)
             return
         log.warning("%s drafting unavailable for this model; decoding without drafts", config.draft)
     step = step_function(model, config.quantize, fast, matmul) if limit > 1 else None

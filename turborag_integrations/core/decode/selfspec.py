@@ -25,6 +25,7 @@ import torch
 
 from .fast import FastDecoder
 from .sampling import accept_drafts, sample
+from .start import DecodeStart
 
 
 @dataclass
@@ -57,14 +58,16 @@ def drafter_for(model, mode: str) -> FastDecoder | None:
         return None
 
 
-def speculative_decode(model, drafter: FastDecoder, cache, logits: torch.Tensor, position: int,
-                       config, eos_ids: set[int], limit: int, sampler,
+def speculative_decode(model, drafter: FastDecoder, start: DecodeStart, config,
+                       eos_ids: set[int], limit: int, sampler,
                        stats: DraftStats | None = None) -> Iterator[int]:
     """Yield up to `limit` new token ids, `config.draft_tokens` drafts per round.
 
-    logits: the model's next-token logits after the prompt; the cache holds the prompt and
-    grows by every accepted token (the last one yielded is never fed, as in `decode_loop`).
+    start: the prompt's cache, which grows by every accepted token (the last one yielded is
+    never fed, as in `decode_loop`), the model's next-token logits after it, and the next
+    position.
     """
+    cache, logits, position = start
     stats = stats if stats is not None else DraftStats()
     verifier = FastDecoder.for_model(model)  # full precision, several tokens per forward
     token = sampler(logits)

@@ -6,12 +6,13 @@ target distribution) is decoding's, in `core.decode.sampling`, shared with self-
 """
 
 from ..settings import SpeculationConfig
+from .config import RapidConfig
 from .context import ContextIndex, DrafterContext, document_order
 from .engine import (REFERENCE_CONTEXT, RapidEngine, RapidResult, RapidStats, VocabularyMismatch,
                      check_same_vocabulary, default_template, split_question, target_greedy)
-from .speculation import Round, Side, check_speculation, speculate
+from .speculation import Round, Side, speculate
 
-__all__ = ["RapidEngine", "REFERENCE_CONTEXT", "check_speculation", "RapidResult", "RapidStats",
+__all__ = ["RapidEngine", "RapidConfig", "REFERENCE_CONTEXT", "RapidResult", "RapidStats",
            "VocabularyMismatch", "SpeculationConfig", "check_same_vocabulary", "default_template",
            "split_question", "target_greedy", "Side", "Round", "speculate", "ContextIndex",
            "DrafterContext", "document_order"]

@@ -18,6 +18,7 @@ same document prefills only the question.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -28,16 +29,19 @@ import xxhash
 
 from ..decode.loop import decode_loop, eos_token_ids, now
 from ..decode.selfspec import DraftStats
+from ..decode.start import DecodeStart
 from ..engine import TurboRAGEngine
 from ..errors import ContextWindowError, ModelError
 from ..kv.blob import KVBlob
 from ..kv.cache import KVCache
+from ..prefill.recovery import NO_RECOVERY
 from ..prefill.stitch import Prefill, Segment
 from ..request import new_token_limit, reserve_slots
 from ..run import GenerationResult, GenerationStream, Run, RunStats
-from ..settings import QUANTIZE_MODES, GenerationConfig, SpeculationConfig, check_choice
+from ..settings import GenerationConfig, SpeculationConfig
+from .config import RapidConfig
 from .context import ContextIndex, DrafterContext, document_order
-from .speculation import Side, check_draft_prob, check_speculation, speculate
+from .speculation import Side, speculate
 
 log = logging.getLogger(__name__)
 
@@ -121,48 +125,28 @@ def split_question(text: str) -> tuple[str, str]:
 class RapidEngine:
     """RAPID over two TurboRAGEngines (one engine = self-speculation: same model, short context).
 
-    gamma, eta, residual: the verification (`settings.SpeculationConfig`; η finite, ≥ 0);
-    chunk_tokens, threshold, max_drafter_tokens, compression, min_drafter_tokens: the drafter's
-    own retrieval (chunks of chunk_tokens; cosine ≥ threshold; best first within a budget of
-    max(min_drafter_tokens, min(max_drafter_tokens, |context| / compression)) tokens, never more
-    than the context (max_drafter_tokens None: no cap); kept in document order).
-    `RapidEngine.reference(...)` uses the reference code's setting (`REFERENCE_CONTEXT`).
-    drafter_quantize: "int8" or "bf16" runs the drafter's steps on reduced-precision weights
-    (decode/fast.py; fp32 CPU models of the llama family); the target always decodes in its own
-    precision. min_draft_prob: adaptive draft length (`speculation.speculate`).
+    config: a `RapidConfig` (core/rapid/config.py) — the verification rounds and the drafter's
+    own retrieval; `settings` are its fields (and its SpeculationConfig's) by name, applied on
+    top: `RapidEngine(target, drafter, gamma=4, max_drafter_tokens=2048)`.
+    `RapidEngine.reference(...)` uses the reference code's drafter context (`REFERENCE_CONTEXT`).
+    embedder: what the drafter's retrieval embeds with (None: the bundled MiniLM, on first use).
+    template, system: how a context and a question become the user turn, and a system turn.
     """
 
     def __init__(self, target: TurboRAGEngine, drafter: TurboRAGEngine | None = None, *,
-                 gamma: int = 10, eta: float = 0.0, residual: str = "rapid",
-                 chunk_tokens: int = 512, threshold: float = 0.3,
-                 max_drafter_tokens: int | None = 4096, compression: float = 4.0,
-                 min_drafter_tokens: int = 0, embedder=None, prefix_cache: bool = True,
+                 config: RapidConfig | None = None, embedder=None,
                  template: Callable[[str, str], str] = default_template,
-                 system: str | None = None, verify_split: bool = True,
-                 drafter_quantize: str | None = None, min_draft_prob: float = 0.0):
+                 system: str | None = None, **settings):
+        self.config = (config or RapidConfig()).with_settings(**settings)
         drafter = drafter or target
         if drafter is not target:
             check_same_vocabulary(target, drafter)
-        check_speculation(gamma, eta, residual)
-        check_draft_prob(min_draft_prob)
-        check_choice("drafter_quantize", drafter_quantize, QUANTIZE_MODES)
-        if compression <= 0 or (max_drafter_tokens is not None and max_drafter_tokens < 1) \
-                or min_drafter_tokens < 0 or chunk_tokens < 1:
-            raise ValueError("compression must be > 0, chunk_tokens and max_drafter_tokens ≥ 1 "
-                             "(or max_drafter_tokens None), min_drafter_tokens ≥ 0")
-        if drafter_quantize is not None:
-            Side(drafter.model, None, None, 0, quantize=drafter_quantize)  # fails now, not later
+        if self.config.drafter_quantize is not None:  # fails now, not at the first answer
+            Side(drafter.model, None, None, 0, quantize=self.config.drafter_quantize)
         self.target, self.drafter = target, drafter
-        self.gamma, self.eta, self.residual = gamma, eta, residual
-        self.chunk_tokens, self.threshold = chunk_tokens, threshold
-        self.max_drafter_tokens, self.compression = max_drafter_tokens, compression
-        self.min_drafter_tokens = min_drafter_tokens
-        self.drafter_quantize, self.min_draft_prob = drafter_quantize, min_draft_prob
         self._embedder = embedder
-        self.prefix_cache = prefix_cache
         self.template = template
         self.system = system
-        self.verify_split = verify_split
         self.eos_ids = eos_token_ids(target.model, target.tokenizer)
         self._index: tuple[str, ContextIndex] | None = None
         self._prefix: tuple[str, KVBlob] | None = None  # last prefix blob, always in memory
@@ -177,10 +161,10 @@ class RapidEngine:
 
     def drafter_budget(self, context_tokens: int) -> int:
         """Tokens of retrieved chunks the drafter may read for a context of this length."""
-        cap = context_tokens / self.compression
-        if self.max_drafter_tokens is not None:
-            cap = min(cap, self.max_drafter_tokens)
-        return int(min(context_tokens, max(self.min_drafter_tokens, cap)))
+        cap = context_tokens / self.config.compression
+        if self.config.max_drafter_tokens is not None:
+            cap = min(cap, self.config.max_drafter_tokens)
+        return int(min(context_tokens, max(self.config.min_drafter_tokens, cap)))
 
     @property
     def embedder(self):
@@ -210,14 +194,14 @@ class RapidEngine:
         threshold, best first within the token budget, then back in document order."""
         t0 = now()
         # chunk_tokens is a public setting: a changed one must not reuse the old chunks
-        digest = f"{self.chunk_tokens}:{xxhash.xxh3_128_hexdigest(context.encode())}"
+        digest = f"{self.config.chunk_tokens}:{xxhash.xxh3_128_hexdigest(context.encode())}"
         with self._lock:
             if self._index is None or self._index[0] != digest:
                 self._index = (digest, ContextIndex(context, self.drafter.tokenizer,
-                                                    self.chunk_tokens, self.embedder))
+                                                    self.config.chunk_tokens, self.embedder))
             index = self._index[1]
         budget = self.drafter_budget(sum(index.tokens))
-        chosen, used, retrieved = index.select(question, threshold=self.threshold, budget=budget)
+        chosen, used, retrieved = index.select(question, threshold=self.config.threshold, budget=budget)
         return DrafterContext([index.chunks[i] for i in chosen], used, retrieved,
                               len(index.chunks), budget, now() - t0)
 
@@ -232,8 +216,8 @@ class RapidEngine:
         `context` itself. An empty list: the question alone.
         """
         config = config or GenerationConfig()
-        speculation = check_speculation(self.gamma if gamma is None else gamma,
-                                        self.eta if eta is None else eta, self.residual)
+        asked = {k: v for k, v in (("gamma", gamma), ("eta", eta)) if v is not None}
+        speculation = dataclasses.replace(self.config.speculation, **asked)  # validated there
         return GenerationStream(start=lambda: self._start(context, question, chunks, config,
                                                           speculation))
 
@@ -269,7 +253,7 @@ class RapidEngine:
         when it is there (the target's last one is also kept in memory). Returns (Prefill,
         prefix_key, hit); `save_prefix` stores a missed prefix after decoding."""
         blob, key = None, None
-        if prefix and self.prefix_cache:
+        if prefix and self.config.prefix_cache:
             key = engine.prefix_key(prefix)
             if engine is self.target and self._prefix is not None and self._prefix[0] == key:
                 blob = self._prefix[1]
@@ -311,7 +295,7 @@ class RapidEngine:
         t0 = now()
         segments, _, _ = self.drafter.segments(prefix + suffix, chosen, encode_missing=True)
         # the drafter's stitch as it is: a draft only has to be likely, the target verifies it
-        pre = self.drafter.prefill(segments, reserve=reserve, recovery="none")
+        pre = self.drafter.prefill(segments, reserve=reserve, recovery=NO_RECOVERY)
         stats.drafter_prefill_s = now() - t0
         stats.drafter_prompt_tokens = len(pre.plan.token_ids)
         stats.drafter_reused_tokens = pre.plan.reused_tokens
@@ -342,15 +326,13 @@ class RapidEngine:
         target = Side(self.target.model, pre_t.cache, pre_t.logits, pre_t.next_position)
         try:
             drafter = Side(self.drafter.model, pre_d.cache, pre_d.logits, pre_d.next_position,
-                           quantize=self.drafter_quantize)
+                           quantize=self.config.drafter_quantize)
         except BaseException:
             self.target.cache_pool.release(pre_t.cache)
             self.drafter.cache_pool.release(pre_d.cache)
             raise
-        rounds = speculate(target, drafter, config, gamma=speculation.gamma, eta=speculation.eta,
-                           residual=speculation.residual, eos_ids=config.end_ids(self.eos_ids),
-                           max_new_tokens=limit, verify_split=self.verify_split,
-                           min_draft_prob=self.min_draft_prob)
+        rounds = speculate(target, drafter, config, speculation,
+                           eos_ids=config.end_ids(self.eos_ids), max_new_tokens=limit)
 
         def finish() -> None:
             if key is not None and not hit:
@@ -389,7 +371,7 @@ def target_greedy(engine: TurboRAGEngine, prefix: str, suffix: str, max_new_toke
                          reserve=reserve_slots(max_new_tokens))
     eos = eos_token_ids(engine.model, engine.tokenizer)
     try:
-        return list(decode_loop(engine.model, pre.cache, pre.logits, pre.next_position,
+        return list(decode_loop(engine.model, DecodeStart(pre.cache, pre.logits, pre.next_position),
                                 GenerationConfig(max_new_tokens=max_new_tokens), eos))
     finally:
         engine.cache_pool.release(pre.cache)

@@ -111,22 +111,21 @@ class Round:
     verify_s: float = 0.0  # the target's forward over the pending token and the drafts
 
 
-def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: int = 10,
-              eta: float = 0.0, residual: str = "rapid", eos_ids: Iterable[int] = (),
-              max_new_tokens: int | None = None, generator: torch.Generator | None = None,
-              accept: AcceptRule = accept_drafts, verify_split: bool = True,
-              min_draft_prob: float = 0.0) -> Iterator[Round]:
+def speculate(target: Side, drafter: Side, config: GenerationConfig,
+              speculation: SpeculationConfig = SpeculationConfig(), *,
+              eos_ids: Iterable[int] = (), max_new_tokens: int | None = None,
+              generator: torch.Generator | None = None,
+              accept: AcceptRule = accept_drafts) -> Iterator[Round]:
     """Yield rounds until max_new_tokens or an end-of-sequence token.
 
     Between rounds both caches hold exactly the accepted sequence minus the pending tokens.
-    gamma, eta, residual: see `settings.SpeculationConfig` (validated there).
-    min_draft_prob: adaptive draft length. A round stops drafting (before γ) once the drafter's
-    probability of its own last draft falls below this; 0 always drafts γ. Such a draft is
-    likely rejected, and every draft after it is wasted drafter time. The rule reads only the
-    drafter's distribution, so the output law is unchanged (lossless at η = 0).
+    speculation: γ, η, the residual, the adaptive draft length and the verification attention
+    (`settings.SpeculationConfig`, validated there). With `min_draft_prob` a round stops
+    drafting (before γ) once the drafter's probability of its own last draft falls below it:
+    such a draft is likely rejected, and every draft after it is wasted drafter time.
     """
-    check_speculation(gamma, eta, residual)
-    check_draft_prob(min_draft_prob)
+    gamma, eta, residual = speculation.gamma, speculation.eta, speculation.residual
+    min_draft_prob = speculation.min_draft_prob
     eos = set(eos_ids)
     limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
     if generator is None:
@@ -167,7 +166,7 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: i
                 steps += 1
         t1 = time.perf_counter()
         fed = target.pending + drafts
-        t_logits = target.feed(fed, keep=len(drafts) + 1, verify=verify_split)
+        t_logits = target.feed(fed, keep=len(drafts) + 1, verify=speculation.verify_split)
         verdict = accept(drafts, t_logits,
                          torch.stack(draft_logits) if draft_logits else t_logits[:0],
                          config, eta=eta, residual=residual, generator=generator)
@@ -197,20 +196,6 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig, *, gamma: i
                     verify_s=time.perf_counter() - t1)
         if ended:
             return
-
-
-def check_speculation(gamma: int, eta: float, residual: str) -> SpeculationConfig:
-    """`SpeculationConfig`, plus a finite η: softmax(z + η(q − p)) has no meaning at η = ∞."""
-    config = SpeculationConfig(gamma, eta, residual)
-    if eta == float("inf"):
-        raise ValueError(f"eta must be a finite number ≥ 0 (0 is lossless), not {eta!r}")
-    return config
-
-
-def check_draft_prob(value: float) -> float:
-    if not 0.0 <= value < 1.0:  # also refuses NaN
-        raise ValueError(f"min_draft_prob must be in [0, 1), not {value!r} (0: always draft γ)")
-    return value
 
 
 def _draft_prob(logits: torch.Tensor, token: int, config: GenerationConfig) -> float:

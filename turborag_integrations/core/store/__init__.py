@@ -14,9 +14,10 @@ passed as `tiers=`. Every tier keeps the contract of `.tier.Tier`.
 from .budget import parse_size
 from .codec import STORAGE_DTYPES
 from .disk import KINDS, StoreWriteError
-from .kvstore import KVStore, StoreClosedError, default_store_path
+from .config import StoreConfig, default_store_path
+from .kvstore import KVStore, StoreClosedError
 from .stats import StoreStats
 from .tier import Tier
 
-__all__ = ["KVStore", "StoreStats", "StoreWriteError", "StoreClosedError", "Tier",
+__all__ = ["KVStore", "StoreConfig", "StoreStats", "StoreWriteError", "StoreClosedError", "Tier",
            "STORAGE_DTYPES", "KINDS", "default_store_path", "parse_size"]

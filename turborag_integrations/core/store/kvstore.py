@@ -1,5 +1,4 @@
-"""KVStore: the ordered tiers of core/store/ behind one put / get / delete (see the package's
-docstring)."""
+"""KVStore: the ordered tiers of core/store/ behind one put / get / delete (package docstring)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,12 @@ from typing import Iterable
 import torch
 
 from .. import environment
-from ..kv.blob import Fingerprint, KVBlob, chunk_key, namespace_tag
 from ..errors import BlobCorrupted, TurboRAGError
+from ..kv.blob import Fingerprint, KVBlob, chunk_key, namespace_tag
+from ..settings import with_fields
+from . import maintenance
 from .budget import parse_size
+from .config import StoreConfig, default_store_path
 from .disk import KINDS, DiskTier
 from .format import BlobSummary
 from .memory import MemoryTier
@@ -26,22 +28,17 @@ from .tier import Tier, owned_copy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVStore", "StoreClosedError", "default_store_path"]
+__all__ = ["KVStore", "StoreClosedError"]
 
 
 class StoreClosedError(TurboRAGError, RuntimeError):
     """A KVStore was used after close()."""
 
 
-def default_store_path() -> Path:
-    """`TURBORAG_STORE`, else the package's cache folder's `kv` (core/environment.py)."""
-    return environment.store_dir()
-
-
 class KVStore:
     """Durable, content-addressed storage of KV blobs.
 
-    disk_bytes bounds the disk tier and prefix_bytes its prefix blobs (ints or sizes such as
+    Configured by a `StoreConfig` (`config=`) or its fields by name: disk_bytes bounds the disk tier and prefix_bytes its prefix blobs (ints or sizes such as
     "20GB"; None: $TURBORAG_STORE_BYTES / $TURBORAG_STORE_PREFIX_BYTES, else half the room on
     the store's file system up to 100 GiB, and a tenth of that up to 8 GiB; see `.budget`).
     memory_bytes bounds the RAM tier (0 disables it); accelerator_bytes, when CUDA is available,
@@ -60,30 +57,29 @@ class KVStore:
 
     MAX_SALTED = 4096  # salted namespaces' stores kept at once (`namespace`); a few kB each
 
-    def __init__(self, root: str | os.PathLike | None = None, *, memory_bytes: int = 2 << 30,
-                 storage_dtype: str = "native", accelerator_bytes: int = 0,
-                 prefetch_threads: int = 4, tiers: Iterable[Tier] = (),
-                 disk_bytes: int | str | None = None, prefix_bytes: int | str | None = None,
-                 remote_url: str | None = None, namespace: str = ""):
+    def __init__(self, root: str | os.PathLike | None = None, *,
+                 config: StoreConfig | None = None, tiers: Iterable[Tier] = (),
+                 namespace: str = "", **settings):
         check_namespace(namespace)
+        self.config = c = with_fields(config or StoreConfig(), "KV store", **settings)
         self.base = Path(root or default_store_path()).expanduser()
-        self.disk = DiskTier(namespace_root(self.base, namespace), storage_dtype,
-                             max_bytes=disk_bytes, prefix_bytes=prefix_bytes)
-        self.memory = MemoryTier(memory_bytes) if memory_bytes > 0 else None
-        self.accelerator = (MemoryTier(accelerator_bytes, device="cuda")
-                            if accelerator_bytes > 0 and torch.cuda.is_available() else None)
+        self.disk = DiskTier(namespace_root(self.base, namespace), c.storage_dtype,
+                             max_bytes=c.disk_bytes, prefix_bytes=c.prefix_bytes)
+        self.memory = MemoryTier(c.memory_bytes) if c.memory_bytes > 0 else None
+        self.accelerator = (MemoryTier(c.accelerator_bytes, device="cuda")
+                            if c.accelerator_bytes > 0 and torch.cuda.is_available() else None)
         extra = list(tiers)
-        url = environment.redis_url() if remote_url is None else remote_url
+        url = environment.redis_url() if c.remote_url is None else c.remote_url
         if url:
             from .redis_tier import RedisTier  # imported on demand: redis-py is an extra
 
-            extra.insert(0, RedisTier(url, storage_dtype=storage_dtype))
+            extra.insert(0, RedisTier(url, storage_dtype=c.storage_dtype))
         for tier in extra:
             if not isinstance(tier, Tier):
                 raise TypeError(f"{tier!r} does not keep the tier contract of "
                                 f"{Tier.__module__}.Tier")
         self._setup(namespace, (self.accelerator, self.memory, self.disk, *extra),
-                    prefetch_threads, (disk_bytes, prefix_bytes))
+                    c.prefetch_threads, (c.disk_bytes, c.prefix_bytes))
 
     def _setup(self, namespace: str, tiers, prefetch_threads: int, budgets) -> None:
         self.namespace_name = namespace
@@ -127,7 +123,7 @@ class KVStore:
     def _child(self, name: str) -> "KVStore":
         """A namespace's store: every tier of this one but the disk tier (hold self._lock)."""
         child = KVStore.__new__(KVStore)  # built from this store's tiers, not from settings
-        child.base = self.base
+        child.base, child.config = self.base, self.config
         partition = disk_partition(name)
         if partition == name:
             disk_bytes, prefix_bytes = self._budgets
@@ -375,18 +371,7 @@ class KVStore:
     def gc(self, keep: Fingerprint, *, temp_older_than_s: float = 3600.0) -> list[str]:
         """Delete every blob made by another model setup than `keep`, and temp files left by
         writers that died. Returns the deleted keys."""
-        self.disk.sweep_temp(temp_older_than_s)
-        deleted = []
-        for key in filter(self.owns, self.disk.keys()):
-            try:
-                meta = self.disk.read_meta(key) or {}
-                same = Fingerprint.from_json(meta["fingerprint"]).id == keep.id
-            except (BlobCorrupted, KeyError, TypeError, ValueError):
-                same = False
-            if not same:
-                self.delete(key)
-                deleted.append(key)
-        return deleted
+        return maintenance.collect_garbage(self, keep, temp_older_than_s)
 
     def shrink(self, max_bytes: int | str) -> list[str]:
         """Evict the coldest blobs from the disk tier until it holds at most max_bytes (an int or
@@ -397,15 +382,7 @@ class KVStore:
     def verify(self, *, remove: bool = False) -> dict[str, str]:
         """Check every blob's checksum (of header and data) now, whatever was verified before.
         Returns {key: problem}; removes them if asked."""
-        problems = {}
-        for key in filter(self.owns, self.disk.keys()):
-            try:
-                self.disk.verify(key)
-            except BlobCorrupted as exc:
-                problems[key] = str(exc)
-                if remove:
-                    self.delete(key)
-        return problems
+        return maintenance.verify_blobs(self, remove)
 
     def stats(self) -> StoreStats:
         with self._lock:
