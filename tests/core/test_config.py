@@ -133,6 +133,15 @@ def test_from_pretrained_arguments_reach_the_model_and_the_tokenizer(model_dir):
         ModelConfig(model_kwargs=["pad_token_id"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has an accelerator")
+def test_a_device_map_without_an_accelerator_is_refused_before_loading():
+    from turborag_integrations.core.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"device_map='auto' places .*\(available here: cpu\)"):
+        ModelConfig(model_kwargs={"device_map": "auto"})
+    assert ModelConfig(model_kwargs={"device_map": "cpu"}).model_kwargs == {"device_map": "cpu"}
+
+
 def test_adapters_without_an_engine_share_one_per_model_and_loading(model_dir):
     one = shared_engine(str(model_dir))
     assert shared_engine(str(model_dir), ModelConfig()) is one

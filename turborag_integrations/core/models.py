@@ -165,6 +165,12 @@ class ModelConfig:
                                 f"{value!r}")
         if "torch_dtype" in self.model_kwargs or "dtype" in self.model_kwargs:
             raise ValueError("give the dtype as dtype=..., not inside model_kwargs")
+        placement = self.model_kwargs.get("device_map")
+        if placement not in (None, "cpu") and available_devices() == ["cpu"]:
+            # accelerate would place nothing anywhere else: say so before any download
+            raise ModelError(f"device_map={placement!r} places a model across accelerators, and "
+                             "this torch sees none (available here: cpu): drop device_map, or "
+                             "pass device=\"cpu\"")
         if "attn_implementation" in self.model_kwargs:
             # stitching and the recovery's probe run inside transformers' sdpa interface
             # (core/attention.py), so the model must use it

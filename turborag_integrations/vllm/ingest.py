@@ -110,9 +110,7 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
             f"the prompt does not start with the {len(anchor)} token ids of the anchor this "
             "connector's chunks are encoded after: build it with "
             "turborag_integrations.vllm.ingest.chunk_prompt (same tokenizer and anchor)")
-    context = params.get(CONTEXT_LEN) or 0
-    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-        raise IngestRequestError(f"{CONTEXT_LEN} is a whole number of tokens, not {context!r}")
+    context = _tokens(params.get(CONTEXT_LEN) or 0, CONTEXT_LEN, 0)
     if context > context_tokens:
         raise IngestRequestError(
             f"{CONTEXT_LEN} is {context}, but this connector's chunks are encoded after at most "
@@ -120,40 +118,48 @@ def plan_ingest(params: dict, prompt_ids: Sequence[int], anchor: Sequence[int], 
             "the request with turborag_integrations.vllm.ingest.ingest(context_tokens=...) set "
             "as the connector is")
     chunk = prompt_ids[len(anchor) + context:]
-    if not chunk:
-        raise IngestRequestError("the prompt holds the anchor only (and its context): no "
-                                 "chunk tokens to store")
     if len(chunk) > max_chunk_tokens:
         raise IngestRequestError(f"a chunk of {len(chunk)} tokens exceeds the {max_chunk_tokens} "
                                  "the encoder allows after its anchor; split it")
-    if context + len(chunk) > max_chunk_tokens:
-        # the HF encoder would shorten this context to fit the window: the blobs would differ
-        raise IngestRequestError(
-            f"a chunk of {len(chunk)} tokens after {context} context tokens exceeds the "
-            f"{max_chunk_tokens} the window allows after the anchor; split the chunk")
+    # the HF encoder would shorten a longer context to fit the window: the blobs would differ
+    _check_chunk(chunk, context, f"{context} context tokens", "the anchor only (and its "
+                 "context)", max_chunk_tokens)
     return IngestPlan(tuple(chunk), len(anchor) + context, *_where(params))
 
 
 def _plan_lead(params: dict, prompt_ids: list[int], max_chunk_tokens: int) -> IngestPlan:
     """A lead blob's request: the head is whatever the prompt's first HEAD_LEN tokens are (an
     app's own text, not this connector's anchor), and the chunk follows it with no context."""
-    head_len = params[HEAD_LEN]
-    if isinstance(head_len, bool) or not isinstance(head_len, int) or head_len < 1:
-        raise IngestRequestError(f"{HEAD_LEN} is a positive whole number of tokens, not "
-                                 f"{head_len!r}")
+    head_len = _tokens(params[HEAD_LEN], HEAD_LEN, 1)
     if params.get(CONTEXT_LEN):
         raise IngestRequestError(f"a lead blob follows its prompt head alone: give {HEAD_LEN} "
                                  f"or {CONTEXT_LEN}, not both")
     chunk = prompt_ids[head_len:]
-    if not chunk:
-        raise IngestRequestError(f"the prompt holds the {head_len}-token head only: no chunk "
-                                 "tokens after it to store")
-    if head_len + len(chunk) > max_chunk_tokens:
-        raise IngestRequestError(
-            f"a chunk of {len(chunk)} tokens after a {head_len}-token head exceeds the "
-            f"{max_chunk_tokens} tokens the encoder allows; split the chunk")
+    _check_chunk(chunk, head_len, f"a {head_len}-token head", f"the {head_len}-token head only",
+                 max_chunk_tokens)
     return IngestPlan(tuple(chunk), head_len, *_where(params),
                       lead=chunk_encoding(prompt_ids[:head_len]))
+
+
+def _tokens(value, name: str, least: int) -> int:
+    """A request's token count `value` (of the parameter `name`), checked: a whole number ≥
+    `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive whole number" if least > 0 else "a whole number"
+        raise IngestRequestError(f"{name} is {kind} of tokens, not {value!r}")
+    return value
+
+
+def _check_chunk(chunk: list[int], before: int, after_what: str, only_what: str,
+                 max_chunk_tokens: int) -> None:
+    """Refuse an empty chunk, or one that with the `before` tokens ahead of it (`after_what`)
+    exceeds what the encoder allows."""
+    if not chunk:
+        raise IngestRequestError(f"the prompt holds {only_what}: no chunk tokens to store")
+    if before + len(chunk) > max_chunk_tokens:
+        raise IngestRequestError(
+            f"a chunk of {len(chunk)} tokens after {after_what} exceeds the {max_chunk_tokens} "
+            "tokens the encoder allows; split the chunk")
 
 
 def _where(params: dict) -> tuple[str, str | None]:
