@@ -25,14 +25,21 @@ def plot_ttft(path: Path) -> Path:
     labels = [f"{r['context_tokens']} tokens" for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["full_s"] for r in rows], 0.4, label="full prefill")
-    ax.bar([i + 0.2 for i in x], [r["turbo_s"] for r in rows], 0.4, label="TurboRAG")
-    for i, r in zip(x, rows):
-        ax.text(i + 0.2, r["turbo_s"], f"{r['speedup']:.0f}x", ha="center", va="bottom")
+    bars = [("full_s", None, "full prefill"),
+            ("turbo_s", "speedup", f"TurboRAG, the default ({rows[0].get('recovery', '')})"),
+            ("stitched_s", "stitched_speedup", "stitched alone (recovery none)")]
+    bars = [b for b in bars if all(b[0] in r for r in rows)]
+    width = 0.8 / len(bars)
+    for j, (key, ratio, label) in enumerate(bars):
+        offset = (j - (len(bars) - 1) / 2) * width
+        ax.bar([i + offset for i in x], [r[key] for r in rows], width, label=label)
+        for i, r in zip(x, rows):
+            if ratio:
+                ax.text(i + offset, r[key], f"{r[ratio]:.1f}x", ha="center", va="bottom")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time to first token (s)")
     ax.set_title(f"TTFT, {data['model']} ({data.get('dtype', '')}), median of runs")
-    ax.legend()
+    ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     out = OUT / "ttft.png"
     fig.savefig(out, dpi=120)
