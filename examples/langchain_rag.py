@@ -8,7 +8,8 @@ chunks and once in "naive" mode (everything prefilled), and reports median time 
     python examples/langchain_rag.py                         # repo docs/ + bundled sample docs
     python examples/langchain_rag.py --docs ~/notes --question "..." --runs 5
 
-Ingestion (embedding + KV encoding) happens once; with --workdir it persists between runs.
+Ingestion (embedding + KV encoding) happens once; with --store it persists between runs (without,
+it goes to a temporary folder removed at exit). The flags are those of examples/llama_index_rag.py.
 """
 
 from __future__ import annotations
@@ -86,13 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per mode, after a warm-up")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", "--max-tokens", dest="max_tokens", type=int, default=32)
     ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M)")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="where Chroma and the KV store live (default: a temporary folder)")
+    ap.add_argument("--store", "--workdir", dest="store", type=Path, default=None,
+                    help="folder for the KV store and Chroma (default: a temporary folder, "
+                    "removed at exit)")
     args = ap.parse_args(argv)
+    if args.store is not None:
+        return answer_and_time(args, args.store)
+    with tempfile.TemporaryDirectory(prefix="turborag-langchain-") as tmp:
+        return answer_and_time(args, Path(tmp))
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="turborag-langchain-"))
+
+def answer_and_time(args: argparse.Namespace, workdir: Path) -> int:
+    """Ingest into `workdir`, then answer and time both chains."""
     engine = TurboRAGEngine(args.model, store=str(workdir / "kv"), progress=False)
     store = KVCachingVectorStore(engine=engine, persist_directory=str(workdir / "chroma"))
     docs = load_chunks(args.docs, engine.tokenizer, args.chunk_tokens)

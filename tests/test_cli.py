@@ -114,7 +114,10 @@ def test_store_gc_shrinks_the_store_to_a_size(tmp_path, docs, model_dir):
 
 def test_clear_errors(tmp_path, docs, model_dir):
     code, out = run("ask", "anything", "--store", tmp_path / "empty", "--model", model_dir)
-    assert code == 2 and "no documents yet" in out
+    assert code == 2 and "no documents yet" in out and "turborag ingest" in out
+    assert not (tmp_path / "empty").exists()  # a question over nothing leaves nothing behind
+    code, out = run("ask", "anything", "--store", tmp_path / "empty", "--draft", "int4")
+    assert code == 2 and "draft must be one of" in out
     code, out = run("ingest", tmp_path / "missing", "--store", tmp_path / "ws")
     assert code == 2 and "no such file or folder" in out
     code, out = run("ingest", docs, "--store", tmp_path / "ws2", "--model", "no-such-model")

@@ -156,10 +156,17 @@ StoreOpt = typer.Option(None, "--store", help="workspace folder (default ~/.cach
                         "workspace or $TURBORAG_WORKSPACE)")
 
 
-def _workspace(store: Optional[Path], model: Optional[str] = None, **kwargs):
+def _workspace(store: Optional[Path], model: Optional[str] = None, *, built: bool = False,
+               **kwargs):
+    """The workspace at `store`; `built`: one documents were ingested into, else a clear failure
+    that creates no folder (a question over nothing)."""
     from .core.errors import TurboRAGError
-    from .workspace import Workspace
+    from .workspace import Workspace, default_workspace
 
+    if built and not Workspace.built_at(store):
+        where = store or default_workspace()
+        _fail(f"no documents yet in the workspace {where}: run `turborag ingest PATH"
+              f"{'' if store is None else f' --store {store}'}` first")
     try:
         return Workspace(store, model=model, **kwargs)
     except TurboRAGError as exc:
@@ -255,15 +262,15 @@ def ask(
 
     if mode not in ("turbo", "naive", "rapid"):
         _fail(f"--mode must be turbo, naive or rapid, not {mode!r}")
-    ws = _workspace(store, model, chroma_url=chroma_url)
+    try:  # before anything loads
+        config = GenerationConfig(max_new_tokens=max_new_tokens, draft=draft)
+    except ValueError as exc:
+        _fail(str(exc))
+    ws = _workspace(store, model, built=True, chroma_url=chroma_url)
     try:
         # a cold first call times the lazy set-up of torch and the caches, not the answer: the
         # TTFT reported is a warm one (with --compare, for both paths)
         ws.engine.warmup()
-        try:
-            config = GenerationConfig(max_new_tokens=max_new_tokens, draft=draft)
-        except ValueError as exc:
-            _fail(str(exc))
         answer = (ws.ask_rapid(question, k=top_k, config=config) if mode == "rapid"
                   else ws.ask(question, k=top_k, mode=mode, config=config))
         _echo_stream(answer, quiet=json_out)
@@ -287,7 +294,7 @@ def chat(
     from .core.errors import TurboRAGError
     from .core.settings import GenerationConfig
 
-    ws = _workspace(store, model, chroma_url=chroma_url)
+    ws = _workspace(store, model, built=True, chroma_url=chroma_url)
     history: list[dict] = []
     while True:
         try:

@@ -211,6 +211,13 @@ class Workspace:
             log.warning("could not delete the temporary collection %s on the Chroma server at "
                         "%s: %s", self.collection_name, self.chroma_url, exc)
 
+    @staticmethod
+    def built_at(root: str | Path | None = None) -> bool:
+        """Whether documents were ingested into the workspace at `root` (default: the default
+        workspace): it has a manifest. Creates nothing."""
+        root = Path(root).expanduser() if root else default_workspace()
+        return (root / "manifest.json").exists()
+
     def _read_manifest(self) -> dict | None:
         path = self.root / "manifest.json"
         return json.loads(path.read_text()) if path.exists() else None
