@@ -2,7 +2,7 @@
 TTFT a full prefill of the same prompt would take.
 
     turborag ingest docs/                     # once
-    python examples/webapp/app.py             # then open http://127.0.0.1:8000
+    python examples/webapp/app.py             # then open http://127.0.0.1:8080
 
 POST /api/ask with a JSON body {"question": "...", "k": 4, "compare": true} answers with
 server-sent events: `delta` events carry answer text as it is generated, then one `done` event
@@ -282,7 +282,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="TurboRAG chat web app")
     ap.add_argument("--store", help="workspace folder (default: TURBORAG_WORKSPACE or ~/.cache)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8080)  # 8000: turborag serve and vLLM
     ap.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                     help="also answer requests addressed to NAME (e.g. this machine's name on "
                          "the network, with --host 0.0.0.0); repeatable")
