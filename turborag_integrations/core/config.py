@@ -2,8 +2,9 @@
 
     config = EngineConfig(encoding=EncodingConfig(context_tokens=0),
                           query=QueryConfig(recovery="select:0.2"))
-    engine = TurboRAGEngine("qwen2.5-coder-0.5b", config=config)
-    engine = TurboRAGEngine("qwen2.5-coder-0.5b", context_tokens=0, recovery="select:0.2")  # same
+    engine = TurboRAGEngine("qwen2.5-coder-0.5b-instruct", config=config)
+    engine = TurboRAGEngine("qwen2.5-coder-0.5b-instruct", context_tokens=0,
+                            recovery="select:0.2")  # the same, by field name
 
 - `ModelConfig` (core/models.py): where and in what precision the model runs, and what
   transformers' `from_pretrained` is given besides.

@@ -1,6 +1,6 @@
 """The engines adapters share when they are given none: one per model and way of loading it.
 
-    engine = shared_engine("qwen2.5-coder-0.5b", ModelConfig(device="cuda"))
+    engine = shared_engine("qwen2.5-coder-0.5b-instruct", ModelConfig(device="cuda"))
 
 Every framework adapter built without an engine (a LlamaIndex LLM, postprocessor or vector
 store; a LangChain chat model or vector store) takes the process's engine for its model, so a
