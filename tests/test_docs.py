@@ -38,3 +38,52 @@ def test_quickstart_code_blocks_run(tmp_path):
         assert done.returncode == 0, f"{lang} block failed:\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         if lang == "python":
             assert "TTFT" in done.stdout and "came from the KV store" in done.stdout
+
+
+def _cli_mentions() -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """(where, command path, flags) of every `turborag VERB [SUB] --flag ...` the README and the
+    docs show, read up to a backtick, a table bar or a comment."""
+    import re
+    import shlex
+
+    groups = {"store": ("stats", "verify", "gc"), "keys": ("add", "list", "revoke"),
+              "models": ("list", "prepare")}
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for match in re.finditer(r"(?<![\w/-])turborag ([a-z][^`|#\n]*)", line):
+                try:
+                    words = shlex.split(match.group(1))
+                except ValueError:  # an unclosed quote in prose
+                    words = match.group(1).split()
+                if not words or not words[0].isalpha():
+                    continue
+                command = words[:1]
+                if words[0] in groups and len(words) > 1 and words[1] in groups[words[0]]:
+                    command = words[:2]
+                flags = tuple(w.split("=")[0].rstrip(",.;:)") for w in words[len(command):]
+                              if w.startswith("--") and len(w) > 2)
+                found.append((f"{path.name}:{n}", tuple(command), flags))
+    return found
+
+
+def test_every_command_and_flag_the_docs_show_exists():
+    """What the README and the docs tell a user to type is what the CLI takes: each command
+    exists, and each flag shown with it is in its --help."""
+    from typer.testing import CliRunner
+
+    from turborag_integrations.cli import app
+
+    mentions = _cli_mentions()
+    assert len(mentions) > 20  # the check reads the docs at all
+    runner, helps, wrong = CliRunner(), {}, []
+    for where, command, flags in mentions:
+        if command not in helps:
+            result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "250"})
+            helps[command] = result.output if result.exit_code == 0 else None
+        if helps[command] is None:
+            wrong.append(f"{where}: `turborag {' '.join(command)}` is not a command")
+            continue
+        wrong += [f"{where}: `turborag {' '.join(command)}` has no {flag}" for flag in flags
+                  if flag not in helps[command]]
+    assert wrong == []
