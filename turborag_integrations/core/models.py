@@ -158,6 +158,8 @@ class ModelConfig:
     tokenizer_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        parse_dtype(self.dtype)  # an unknown dtype, or a device that is not here, fails now
+        parse_device(self.device)
         for name in ("model_kwargs", "tokenizer_kwargs"):
             value = getattr(self, name)
             if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):

@@ -27,7 +27,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from ..core.models import ModelConfig, parse_device, parse_dtype
+from ..core.models import ModelConfig
 from ..core.engine import TurboRAGEngine
 from ..core.prefill.context import text_before
 from ..core.registry import ChunkRegistry
@@ -158,8 +158,6 @@ class KVCachingVectorStore(VectorStore):
         if engine is None:
             loading = ModelConfig(**{k: v for k, v in defaults.items()
                                      if k in _ENGINE_OPTIONS - {"model"}})
-            parse_device(loading.device)  # an unknown or absent device fails before any load
-            parse_dtype(loading.dtype)
             engine = shared_engine(defaults.get("model"), loading)
         self.engine = engine
         if namespace is not None:

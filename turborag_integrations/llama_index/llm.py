@@ -20,7 +20,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..core.engine import TurboRAGEngine
 from ..core.config import EngineConfig
-from ..core.models import DEFAULT_MODEL, ModelConfig, parse_device, parse_dtype
+from ..core.models import DEFAULT_MODEL, ModelConfig
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.registry import ChunkRegistry
 from ..core.request import Request
@@ -114,8 +114,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         super().__init__(**kwargs)
         Request("", mode=self.mode, recovery=self.recovery)  # a bad one fails now (checked there)
         if engine is None:
-            parse_device(self.device)  # an unknown or absent device fails before any load
-            parse_dtype(self.dtype)
+            # checked as it is made: a bad device or dtype fails before any load
             loading = ModelConfig(device=self.device, dtype=self.dtype,
                                   model_kwargs=self.model_kwargs,
                                   tokenizer_kwargs=self.tokenizer_kwargs)
