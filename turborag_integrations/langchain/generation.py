@@ -16,12 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from ..core.engine import TurboRAGEngine
 from ..core.models import ModelConfig
-from ..core.shared import shared_engine
-from ..core.models import parse_device, parse_dtype
 from ..core.prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 from ..core.registry import ChunkRegistry
 from ..core.request import Request
 from ..core.run import GenerationStats, GenerationStream
+from ..core.shared import shared_engine
 from ..core.settings import GenerationConfig
 from .fingerprints import check_metadata
 
@@ -142,21 +141,11 @@ class TurboRAGParams(SamplingParams):
         Request("", recovery=spec)  # a bad spec fails here (checked there), not at the first call
         return spec
 
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, device: str) -> str:
-        parse_device(device)  # an unknown or absent device fails here, before any load
-        return device
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, dtype: str) -> str:
-        parse_dtype(dtype)
-        return dtype
-
     @model_validator(mode="after")
     def _known_loading(self):
-        self.loading()  # bad from_pretrained arguments fail here, not at the first call
+        # an unknown or absent device, a bad dtype or from_pretrained argument fails here,
+        # before any load (ModelConfig checks them)
+        self.loading()
         return self
 
     # ---- engine ---------------------------------------------------------------------------
