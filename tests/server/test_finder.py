@@ -3,11 +3,11 @@ that grows with the prompt, not with the number of texts indexed."""
 
 import random
 import statistics
-import threading
 import time
 
 from turborag_integrations.core.registry import ChunkRegistry
-from turborag_integrations.server.finder import PREFIX_CHARS, ChunkFinder, ChunkIndex
+from turborag_integrations.core.prefill.text_spans import PREFIX_CHARS, ChunkIndex
+from turborag_integrations.server.finder import ChunkFinder
 
 A = ("The Tall Widow lighthouse stands 41 metres high on the cliffs of Velmora, and was first "
      "lit in 1871.")
@@ -65,28 +65,6 @@ def test_the_finder_follows_a_registry_and_keeps_what_was_ingested():
     finder.add([B])  # ingested through the server too: stays when the registry drops it
     registry.add([C, "A fourth registered text, long enough to count."])  # evicts A and B
     assert finder.find(prompt) == [B, C]
-
-
-def test_a_text_ingested_while_another_thread_follows_the_registry_stays_indexed():
-    """Lookups run on several threads: a registry follow that lands in the middle of an
-    ingestion must not take the ingested text for the registry's (and unindex it later)."""
-    registry = ChunkRegistry(capacity=1)
-    finder = ChunkFinder(registry)
-    registry.add([A])  # in the registry, not yet followed: the ingestion indexes it first
-    index_add, follows = finder.index.add, []
-
-    def add_while_another_thread_follows(texts):
-        if not follows:  # the first call, from finder.add: a lookup comes in now
-            follows.append(threading.Thread(target=finder.find, args=("anything",)))
-            follows[0].start()
-            follows[0].join(0.2)  # it waits for the lock, if the ingestion holds it
-        return index_add(texts)
-
-    finder.index.add = add_while_another_thread_follows
-    assert finder.add([A]) == 1  # A is new to the index: ingested
-    follows[0].join(10)
-    registry.add([B])  # the registry drops A
-    assert finder.find(f"{A}\n{B}") == [A, B]
 
 
 def synthetic_texts(rng: random.Random, count: int, words: int) -> list[str]:

@@ -6,6 +6,8 @@ here every text they ingest or retrieve, and the LLM keeps those its prompt cont
 Matching by text, not by query, makes concurrent queries safe: another query's text is used only
 if this prompt really contains it, and then reusing its blob is correct anyway. A text the prompt
 does not contain verbatim (a template that truncates or rewrites it) is not found, and prefilled.
+Texts are found as the server finds its own (core/prefill/text_spans.py): filed by their heads,
+in one pass over the prompt, so a lookup costs the prompt's length, not the registry's.
 
 One registry per engine. `ChunkRegistry.for_engine(engine)` is what every adapter built on an
 engine uses unless it is given `registry=`, from LlamaIndex and LangChain alike: texts are worth
@@ -31,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .errors import FingerprintMismatch
-
-DEFAULT_MIN_CHARS = 32
+from .prefill.text_spans import DEFAULT_MIN_CHARS, PREFIX_CHARS, ChunkIndex
 
 _BY_ENGINE: "weakref.WeakKeyDictionary[object, ChunkRegistry]" = weakref.WeakKeyDictionary()
 _BY_ENGINE_LOCK = threading.Lock()
@@ -42,6 +43,7 @@ _BY_ENGINE_LOCK = threading.Lock()
 class RegisteredText:
     text: str
     fingerprints: dict[str, str] = field(default_factory=dict)  # fingerprint id -> model
+    used: int = 0  # when it was last added: the larger, the more recent
 
 
 def mismatch(current, recorded_id: str, recorded_model: str | None,
@@ -70,6 +72,9 @@ class ChunkRegistry:
         self.capacity = capacity
         self.min_chars = min_chars
         self._texts: OrderedDict[str, RegisteredText] = OrderedDict()
+        # the same texts, filed for finding in a prompt (prefill/text_spans.py)
+        self._index = ChunkIndex(max(PREFIX_CHARS, min_chars), min_chars)
+        self._clock = 0
         self._lock = threading.Lock()
 
     @classmethod
@@ -91,12 +96,15 @@ class ChunkRegistry:
                 entry = self._texts.get(text)
                 if entry is None:
                     entry = self._texts[text] = RegisteredText(text)
+                    self._index.add([text])
                 else:
                     self._texts.move_to_end(text)
+                self._clock += 1
+                entry.used = self._clock
                 if fingerprint_id:
                     entry.fingerprints[fingerprint_id] = model or fingerprint_id
             while len(self._texts) > self.capacity:
-                self._texts.popitem(last=False)
+                self._index.discard(self._texts.popitem(last=False)[0])
 
     def entries_in(self, prompt: str, *, fingerprint=None) -> list[RegisteredText]:
         """The registered entries whose text `prompt` contains verbatim, most recent first.
@@ -107,8 +115,8 @@ class ChunkRegistry:
         a fingerprint pass.
         """
         with self._lock:
-            entries = list(reversed(self._texts.values()))
-        found = [e for e in entries if e.text in prompt]
+            found = [self._texts[t] for t in self._index.find(prompt) if t in self._texts]
+        found.sort(key=lambda e: -e.used)
         if fingerprint is not None:
             for entry in found:
                 if entry.fingerprints and fingerprint.id not in entry.fingerprints:
@@ -125,11 +133,13 @@ class ChunkRegistry:
 
     def discard(self, text: str) -> None:
         with self._lock:
-            self._texts.pop(text, None)
+            if self._texts.pop(text, None) is not None:
+                self._index.discard(text)
 
     def clear(self) -> None:
         with self._lock:
             self._texts.clear()
+            self._index = ChunkIndex(self._index.prefix_chars, self.min_chars)
 
     def texts(self) -> list[str]:
         """Every registered text, most recent last (a snapshot)."""
