@@ -40,6 +40,7 @@ from turborag_integrations.core.decode.start import DecodeStart
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.store import KVStore
+from turborag_integrations.core.prompt_template import render_chat
 
 SAMPLE_DOCS = Path(__file__).resolve().parents[1] / "turborag_integrations" / "data" / "sample_docs"
 QUESTIONS = [
@@ -74,7 +75,7 @@ def rag_prompt(engine: TurboRAGEngine, context: int, question: str, offset: int 
     messages = [{"role": "system", "content": "Answer using only the documents."},
                 {"role": "user", "content": "Documents:\n\n" + "\n\n".join(chunks)
                  + f"\n\nQuestion: {question}"}]
-    return engine.render_chat(messages), chunks
+    return render_chat(engine.tokenizer, messages), chunks
 
 
 class StepTimes:
@@ -133,7 +134,7 @@ def engine_decode(engine: TurboRAGEngine, pre, new_tokens: int, mode: str,
 
 
 def turbo_prefill(engine: TurboRAGEngine, prompt: str, chunks: list[str], reserve: int):
-    segments, hits, _ = engine.segments(prompt, chunks)
+    segments, hits, _ = engine.assembly.segments(prompt, chunks)
     if hits != len(chunks):
         raise RuntimeError(f"only {hits}/{len(chunks)} chunks were reused")
     return engine.prefill(segments, reserve=reserve)

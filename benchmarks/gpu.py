@@ -93,8 +93,8 @@ def exactness(device, tmp: Path) -> dict:
         engine = TurboRAGEngine(loaded, store=KVStore(tmp / f"kv-{kind}"), progress=False,
                                 recovery="none")  # the stitch alone is what (a) compares
         # (a) stitched logits == one forward under the independent-attention mask
-        segs = [Segment("<s>user\n"), Segment(text, engine.encoder.encode(text)),
-                Segment(other, engine.encoder.encode(other)), Segment(" How high is it?\n")]
+        segs = [Segment("<s>user\n"), Segment(text, engine.library.encoder.encode(text)),
+                Segment(other, engine.library.encoder.encode(other)), Segment(" How high is it?\n")]
         plan = plan_prompt(segs, engine.tokenizer)
         pre = engine.prefill(segs, reserve=4)
         ref = reference_forward(loaded.model, plan)
@@ -245,7 +245,8 @@ def speed(device, context: int, chunk: int, gamma: int, drafter_tokens: int, tmp
 
         def turbo_from_store():
             # every call reads the blobs from the store, as a query does
-            segs = [head] + [Segment(c, engine.blob_for(c)) for c in chunks] + [Segment(question)]
+            segs = [head] + [Segment(c, engine.library.blob_for(c)) for c in chunks] + [
+                Segment(question)]
             pre = engine.prefill(segs, reserve=4)
             int(pre.logits.argmax())
             engine.cache_pool.release(pre.cache)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         for name, context_tokens in (("plain", 0), ("context", None)):
             settings = {} if context_tokens is None else {"context_tokens": context_tokens}
             probe = TurboRAGEngine(loaded, store=Path(tmp) / "probe", progress=False, **settings)
-            work = batches(probe.encoder, texts, befores)
+            work = batches(probe.library.encoder, texts, befores)
             tokens = int(sum(int(m.sum()) for _, m in work))
             ingest_s, forward_s = [], []
             for r in range(args.rounds + 1):  # the first round warms up

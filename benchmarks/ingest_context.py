@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                                                   context_tokens=top, encoder="default")
         work = {}
         for name in names:
-            enc = engines[name].encoder
+            enc = engines[name].library.encoder
             n = enc.context_tokens
             chunks = [c for it in items for c in it.chunks]
             contexts = [c for it in items for c in document_contexts(it.chunks, n)]
@@ -93,13 +93,13 @@ def main(argv=None) -> int:
             work[name] = (enc, ids, ctx)
         # a lead blob: the chunk right after a prompt head (no context: the head is what is
         # before it in the prompt), one more encoding and blob per chunk and head
-        base = engines[names[-1]].encoder
+        base = engines[names[-1]].library.encoder
         head = first.tokenizer(HEAD, add_special_tokens=False)["input_ids"]
         lead = ChunkEncoder(base.model, base.tokenizer, base.fingerprint,
                             batch_size=base.batch_size, anchor_ids=head)
         names.append("+ lead blob")
         work["+ lead blob"] = (lead, work[names[-2]][1], [[] for _ in work[names[-2]][1]])
-        first.encoder.encode_ids(work[names[0]][1][:2])  # warm-up, untimed
+        first.library.encoder.encode_ids(work[names[0]][1][:2])  # warm-up, untimed
         times: dict[str, list[float]] = {name: [] for name in names}
         sizes: dict[str, int] = {}
         for _ in range(args.repeats):

@@ -33,6 +33,7 @@ from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
 from turborag_integrations.core.models import DEFAULT_MODEL, load_model  # noqa: E402
 from turborag_integrations.core.prefill.stitch import assemble, plan_prompt, Segment  # noqa: E402
 from turborag_integrations.core.store import KVStore  # noqa: E402
+from turborag_integrations.core.prompt_template import render_chat
 
 SAMPLE_DOCS = Path(__file__).resolve().parents[1] / "turborag_integrations" / "data" / "sample_docs"
 QUESTIONS = [
@@ -84,7 +85,7 @@ def rag_prompts(engine, n: int, seed: int = 0):
         messages = [{"role": "system", "content": "Answer using only the context."},
                     {"role": "user", "content": "Context:\n\n" + "\n\n".join(picked)
                      + f"\n\nQuestion: {q}"}]
-        prompts.append((engine.render_chat(messages), picked))
+        prompts.append((render_chat(engine.tokenizer, messages), picked))
     return chunks, prompts
 
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
         engines = {d: TurboRAGEngine(loaded, store=s) for d, s in stores.items()}
         native = engines["native"]
         texts = make_chunks(native.tokenizer, 8, 512)
-        tokens = sum(len(native.encoder.tokenize(t)) for t in texts)
+        tokens = sum(len(native.library.encoder.tokenize(t)) for t in texts)
         out["bytes_per_token"] = {}
         for d, engine in engines.items():
             keys = engine.encode_chunks(texts)
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
         out["load_s"] = {"cold": statistics.median(cold), "warm": statistics.median(warm)}
 
         # Prefetch: TTFT from a cold page cache, with and without it.
-        prompt = native.render_chat([{"role": "user", "content": "\n\n".join(texts) + "\n\nQ: why?"}])
+        prompt = render_chat(native.tokenizer, [
+            {"role": "user", "content": "\n\n".join(texts) + "\n\nQ: why?"}])
         one = GenerationConfig(max_new_tokens=1)
         native.generate(prompt, chunks=texts, config=one)
         ttft = {"off": [], "on": []}
@@ -147,11 +149,11 @@ def main(argv=None) -> int:
         dlogit = {"int8": 0.0, "bfloat16": 0.0}
         for prompt, picked in prompts:
             a = native.generate(prompt, chunks=picked, config=config)
-            la = native.prefill(native.segments(prompt, picked)[0]).logits
+            la = native.prefill(native.assembly.segments(prompt, picked)[0]).logits
             for d in agree:
                 b = engines[d].generate(prompt, chunks=picked, config=config)
                 agree[d] += a.token_ids == b.token_ids
-                lb = engines[d].prefill(engines[d].segments(prompt, picked)[0]).logits
+                lb = engines[d].prefill(engines[d].assembly.segments(prompt, picked)[0]).logits
                 dlogit[d] = max(dlogit[d], (la - lb).abs().max().item())
         out["int8_agreement"] = agree["int8"] / len(prompts)
         out["int8_max_abs_dlogit"] = dlogit["int8"]

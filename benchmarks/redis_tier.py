@@ -5,7 +5,7 @@
 
 For the bundled model and chunks of 512 and 2048 tokens, the median time of:
 
-- recompute: encoding the chunk's KV (`engine.encoder.encode`), what a miss costs;
+- recompute: encoding the chunk's KV (`engine.library.encoder.encode`), what a miss costs;
 - redis hit: `RedisTier.get` from a redis-server started on this machine (loopback, so no
   network): fetch the parts, check the checksum, decode into a blob;
 - disk hit: `KVStore.get` with no memory tier, from a store that has not read the blob yet (so
@@ -62,7 +62,7 @@ def drop_page_cache(path: Path) -> None:
 def measure(engine: TurboRAGEngine, tier: RedisTier, folder: Path, tokens: int,
             runs: int) -> dict:
     [text] = make_chunks(engine.tokenizer, 1, tokens)
-    blob = engine.encoder.encode(text)
+    blob = engine.library.encoder.encode(text)
     key = blob.key
     held = tier.put(key, blob)
     with KVStore(folder, memory_bytes=0, remote_url="") as store:
@@ -89,7 +89,7 @@ def measure(engine: TurboRAGEngine, tier: RedisTier, folder: Path, tokens: int,
 
     assert torch.equal(tier.get(key).keys, blob.keys)
     out = {"tokens": blob.num_tokens, "blob_bytes": held,
-           "recompute_s": median_s(lambda: engine.encoder.encode(text), runs),
+           "recompute_s": median_s(lambda: engine.library.encoder.encode(text), runs),
            "redis_hit_s": median_s(redis_hit, runs),
            "disk_cold_s": median_s(disk_hit, runs, before=lambda: open_store(cold=True)),
            "disk_warm_s": median_s(disk_hit, runs, before=lambda: open_store(cold=False))}

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from turborag_integrations.core.prompt_template import render_chat
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {"spin": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -53,7 +54,7 @@ def worker(setting: str, n_chunks: int, chunk_tokens: int, runs: int, new_tokens
         engine = TurboRAGEngine(store=KVStore(tmp, memory_bytes=0), progress=False)
         chunks = make_chunks(engine.tokenizer, n_chunks, chunk_tokens)
         engine.encode_chunks(chunks)
-        prompt = engine.render_chat([
+        prompt = render_chat(engine.tokenizer, [
             {"role": "system", "content": "Answer using only the documents."},
             {"role": "user", "content": "Documents:\n\n" + "\n\n".join(chunks)
              + f"\n\nQuestion: {QUESTION}"}])

@@ -25,6 +25,7 @@ from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.core.models import DEFAULT_MODEL
 from turborag_integrations.core.store import KVStore
+from turborag_integrations.core.prompt_template import render_chat
 
 QUESTION = ("Considering every document above, which town's lighthouse can be seen from the "
             "farthest away, and who was the radio operator of the expedition?")
@@ -51,7 +52,7 @@ def measure(engine: TurboRAGEngine, n_chunks: int, chunk_tokens: int, runs: int,
     messages = [{"role": "system", "content": "Answer using only the documents."},
                 {"role": "user", "content": "Documents:\n\n" + "\n\n".join(chunks)
                  + f"\n\nQuestion: {QUESTION}"}]
-    prompt = engine.render_chat(messages)
+    prompt = render_chat(engine.tokenizer, messages)
     one = GenerationConfig(max_new_tokens=1)
     full, turbo, bare, assembly, selection, forward = [], [], [], [], [], []
     recovered: dict[str, list[float]] = {spec: [] for spec in recoveries}

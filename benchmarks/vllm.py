@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import QUESTIONS, make_chunks  # noqa: E402
 from load import one_request, percentile, start_vllm, start_worker  # noqa: E402
+from turborag_integrations.core.prompt_template import render_chat
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "Answer from the context."  # load.one_request's system message
@@ -69,10 +70,10 @@ def fill_store(engine, prompts, join: str) -> int:
     for chunks, _ in prompts:
         engine.encode_chunks(chunks)
     chunks, question = prompts[0]
-    rendered = engine.render_chat([{"role": "system", "content": SYSTEM},
+    rendered = render_chat(engine.tokenizer, [{"role": "system", "content": SYSTEM},
                                    {"role": "user", "content": context(chunks, join)[0]
                                     + "\n\n" + question}])
-    engine.prefix_blob(rendered[:rendered.index(chunks[0])])
+    engine.library.prefix_blob(rendered[:rendered.index(chunks[0])])
     return len(engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 

@@ -30,7 +30,7 @@ GROUPS = {
     "retrieval": [f"{CORE}.retrieval"],
     "model": [f"{CORE}.models", f"{CORE}.bundled", f"{CORE}.checkpoint"],
     "store": [f"{CORE}.store"],
-    "engine": [f"{CORE}.engine", f"{CORE}.config", f"{CORE}.shared", f"{CORE}.library",
+    "engine": [f"{CORE}.engine", f"{CORE}.assembly", f"{CORE}.config", f"{CORE}.shared", f"{CORE}.library",
                f"{CORE}.request", f"{CORE}.run",
                f"{CORE}.registry", f"{CORE}.async_iter", f"{CORE}.batching", f"{CORE}.batch_worker",
                f"{CORE}.scheduled", f"{CORE}.prompt_template"],
@@ -360,12 +360,12 @@ def test_a_request_is_checked_in_one_place():
 
 def test_a_recovery_spec_is_parsed_where_a_setting_is_made():
     """A recovery spec is parsed into a typed `Recovery` where a setting is made: an engine's
-    default (`QueryConfig`), a request's (`Request`), the engine's low-level `prefill` (which
-    takes a Recovery or a spec), and the vLLM connector's claim (no engine there). Every other
-    surface checks a spec by making a Request, and hands the parsed one on."""
+    default (`QueryConfig`), a request's (`Request`), the engine's low-level `prefill` (whose
+    assembly takes a Recovery or a spec), and the vLLM connector's claim (no engine there).
+    Every other surface checks a spec by making a Request, and hands the parsed one on."""
     assert _calls("parse_recovery") == [
+        f"{PACKAGE}/core/assembly.py: PromptAssembly.recovery_for",
         f"{PACKAGE}/core/config.py: QueryConfig.__post_init__",
-        f"{PACKAGE}/core/engine.py: TurboRAGEngine.recovery_for",
         f"{PACKAGE}/core/request.py: Request.__post_init__",
         f"{PACKAGE}/vllm/claim.py: {_claim_parser()}",
     ]
@@ -383,3 +383,16 @@ def test_no_core_module_is_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE / "core").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def test_the_engine_shows_what_a_user_calls():
+    """`TurboRAGEngine` has a chunk library and a prompt assembly (`engine.library`,
+    `engine.assembly`) instead of being them: its own public methods are ingestion, answering
+    and its lifecycle, ten at most."""
+    from turborag_integrations.core.engine import TurboRAGEngine
+
+    methods = sorted(name for name, value in vars(TurboRAGEngine).items()
+                     if callable(value) and not name.startswith("_"))
+    assert TurboRAGEngine.__mro__[1:] == (object,)
+    assert methods == ["add_prompt", "close", "encode_chunks", "forget_document", "generate",
+                       "namespaced", "prefill", "start", "stream", "warmup"]

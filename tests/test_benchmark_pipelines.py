@@ -208,9 +208,9 @@ def test_an_items_chunks_are_one_documents_linked_pieces(bench, tmp_path):
     assert nodes[SHIP].prev_node.node_id == nodes[KILN].node_id
     assert nodes[BAKERY].prev_node is None and nodes[OWL].prev_node is not None
     assert nodes[OWL].ref_doc_id == "bakery"
-    base = engine.encoder.base_position
-    assert engine.blob_for(KILN).base_position == base
-    assert engine.blob_for(FERRY).base_position == base + 8
+    base = engine.library.encoder.base_position
+    assert engine.library.blob_for(KILN).base_position == base
+    assert engine.library.blob_for(FERRY).base_position == base + 8
 
 
 def test_summary_agreement_and_gold_shares(bench):

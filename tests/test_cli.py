@@ -66,9 +66,9 @@ def test_ingest_with_context_tokens_keeps_them_for_the_workspace(tmp_path, model
     assert workspace.context_tokens == 12
     engine = workspace.engine
     found = workspace.collection.get(include=["documents", "metadatas"])
-    positions = sorted((m["index"], engine.blob_for(d).base_position)
+    positions = sorted((m["index"], engine.library.blob_for(d).base_position)
                        for d, m in zip(found["documents"], found["metadatas"]))
-    base = engine.encoder.base_position
+    base = engine.library.encoder.base_position
     assert len(positions) > 2
     assert [p for _, p in positions] == [base] + [base + 12] * (len(positions) - 1)
     code, out = run("ingest", docs, "--store", ws, "--json")

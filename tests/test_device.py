@@ -78,7 +78,7 @@ def test_llama_index_llm_in_bf16_answers_in_a_stock_query_engine(model_dir, tmp_
                                similarity_top_k=2)
     qe.query("How high is the lighthouse?")
     assert llm.last_stats["cache_hits"] == 2 and llm.last_stats["cache_misses"] == 0
-    assert engine.blob_for(TEXTS[0]).keys.dtype is torch.bfloat16
+    assert engine.library.blob_for(TEXTS[0]).keys.dtype is torch.bfloat16
 
 
 def test_langchain_chat_model_in_bf16_answers_in_an_lcel_chain(model_dir, tmp_path):

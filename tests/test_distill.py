@@ -53,7 +53,7 @@ def test_distill_lowers_the_divergence_and_saves_what_the_engine_loads(tmp_path,
     engine = TurboRAGEngine(loaded, store=str(tmp_path / "kv"), progress=False,
                             encoder=str(out / "encoder.safetensors"))
     assert engine.learned.num_soft == soft and len(engine.learned.lora) == (14 if rank else 0)
-    assert engine.encoder.base_position == len(engine.encoder.anchor_ids) + soft
+    assert engine.library.encoder.base_position == len(engine.library.encoder.anchor_ids) + soft
 
 
 def test_training_contexts_are_built_as_ingestion_builds_them():

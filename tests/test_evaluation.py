@@ -126,12 +126,12 @@ def test_context_modes_encode_each_chunk_after_its_items_previous_chunk(tmp_path
     assert by["turbo~0"]["reply_kl"] == pytest.approx(by["turbo"]["reply_kl"], abs=1e-9)
     assert by["turbo~8"]["reply_kl"] != pytest.approx(by["turbo"]["reply_kl"], abs=1e-6)
     sibling = TurboRAGEngine(engine.loaded, store=engine.store, encoder=None, context_tokens=8)
-    enc = sibling.encoder
+    enc = sibling.library.encoder
     for before, text in zip(document_contexts(chunks, 8), chunks):
-        blob = sibling.blob_for(text)  # stored by the evaluation, found by its fingerprint
+        blob = sibling.library.blob_for(text)  # stored by the evaluation, found by its fingerprint
         assert blob is not None
         assert blob.base_position == enc.base_position + len(enc.context_ids(before))
-    assert sibling.blob_for(chunks[2]).base_position == enc.base_position + 8
+    assert sibling.library.blob_for(chunks[2]).base_position == enc.base_position + 8
     assert ModeSpec.parse("turbo+boundary:8@chat~64#none").context == 64
     assert ModeSpec.parse("turbo").context is None
     for bad in ("turbo~", "turbo~x", "naive~8", "turbo-oracle~8"):
@@ -151,13 +151,13 @@ def test_an_items_own_contexts_are_what_its_chunks_are_encoded_after(tmp_path):
                              "chunks": chunks, "contexts": contexts}))
     evaluate(engine, load_items(p).items, ["naive", "turbo~8"], max_new_tokens=4)
     sibling = TurboRAGEngine(engine.loaded, store=engine.store, encoder=None, context_tokens=8)
-    enc = sibling.encoder
+    enc = sibling.library.encoder
     for before, text in zip(contexts, chunks):
-        blob = sibling.blob_for(text)
+        blob = sibling.library.blob_for(text)
         assert blob is not None
         assert blob.base_position == enc.base_position + len(enc.context_ids(before or None))
-    assert sibling.blob_for(chunks[1]).base_position == enc.base_position  # first: none
-    assert sibling.blob_for(chunks[0]).base_position == enc.base_position + 8  # not the prompt's
+    assert sibling.library.blob_for(chunks[1]).base_position == enc.base_position  # first: none
+    assert sibling.library.blob_for(chunks[0]).base_position == enc.base_position + 8  # not the prompt's
 
 
 def test_devset_is_seeded_and_answerable_from_gold(tmp_path):
@@ -267,7 +267,7 @@ def test_an_item_skipped_in_one_mode_is_skipped_in_every_mode(tmp_path, monkeypa
     "\n", one token more per chunk. With the window one token past the whole prompt, naive
     answers the item and the stitched prompt does not fit: the item must then count in neither
     mode. (With offsets the stitched prompt is the whole prompt's tokens, and fits as it does.)"""
-    import turborag_integrations.core.engine as engine_module
+    import turborag_integrations.core.assembly as engine_module
     from turborag_integrations.core.prefill.segment import split_prompt
 
     monkeypatch.setattr(engine_module, "tokenize_with_starts", lambda tokenizer, prompt: None)
@@ -371,7 +371,7 @@ def test_teacher_forced_naive_reply_reproduces_the_greedy_reply(tmp_path):
     assert ref.shape[0] == len(ids) and ref.dtype == torch.float32
     assert ref.argmax(-1).tolist() == ids
     # the same logits as one causal forward over prompt + reply, without any cache
-    pre = engine.prefill(engine.segments(prompt)[0])
+    pre = engine.prefill(engine.assembly.segments(prompt)[0])
     engine.cache_pool.release(pre.cache)
     seq = list(pre.plan.token_ids) + ids
     with torch.inference_mode():

@@ -21,13 +21,13 @@ def test_a_files_chunks_are_encoded_after_the_chunks_before(tmp_path):
     chunks = [d for _, d in sorted(zip((m["index"] for m in found["metadatas"]),
                                        found["documents"]))]
     assert len(chunks) > 2
-    enc = engine.encoder
+    enc = engine.library.encoder
     contexts = document_contexts(chunks, 16)
     assert contexts[2].endswith(chunks[0].strip() + "\n\n" + chunks[1].strip())
     for before, chunk in zip(contexts, chunks):
         ids = enc.tokenize(chunk)
         want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
-        blob = engine.blob_for(chunk)
+        blob = engine.library.blob_for(chunk)
         assert blob.base_position == want.base_position
         assert blob.base_position > enc.base_position or before is None
         torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
@@ -39,7 +39,7 @@ def test_a_question_without_history_stitches_its_first_source_from_a_lead_blob(t
                                           "mill.md": "The mill burned down in 1911."})
     workspace = Workspace(tmp_path / "ws", engine=engine)
     workspace.ingest([docs])
-    assert len(engine.prompt_heads) == 1
+    assert len(engine.library.prompt_heads) == 1
     answer = workspace.ask("When did the harbour freeze?", k=2,
                            config=GenerationConfig(max_new_tokens=2))
     "".join(answer)

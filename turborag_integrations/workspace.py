@@ -37,6 +37,7 @@ from .core.settings import GenerationConfig
 from .core.models import DEFAULT_MODEL
 from .core.store import KVStore, default_store_path
 from .documents import UndecodableDocument, find_documents, read_document
+from .core.prompt_template import render_chat
 
 SYSTEM_PROMPT = "Answer the question using only the context. Be brief."
 COLLECTION = "turborag_chunks"
@@ -168,7 +169,7 @@ class Workspace:
             # the first source of a question asked without history follows this head: its
             # lead blob makes it exact (core/library.py)
             self._head_added = True
-            self._engine.add_prompt(self._engine.render_chat(
+            self._engine.add_prompt(render_chat(self._engine.tokenizer,
                 self.messages(VALUE_MARKER, CONTEXT_MARKER)))
         return self._engine
 
@@ -283,7 +284,7 @@ class Workspace:
                 # so an interrupted ingestion redoes it (its blobs are found and skipped).
                 self.engine.encode_chunks(
                     chunks, doc_ids=[doc_id] * len(chunks),
-                    contexts=document_contexts(chunks, self.engine.encoder.context_tokens),
+                    contexts=document_contexts(chunks, self.engine.library.encoder.context_tokens),
                     progress=lambda done, total, path=path, n=n, base=before, size=size:
                         report(path, n - 1, base + size * done // max(total, 1)))
                 vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
@@ -327,7 +328,7 @@ class Workspace:
     def prompt(self, question: str, sources: Sequence[Source],
                history: Sequence[dict] = ()) -> str:
         context = "\n\n".join(s.text for s in sources)
-        return self.engine.render_chat(self.messages(question, context, history))
+        return render_chat(self.engine.tokenizer, self.messages(question, context, history))
 
     @staticmethod
     def messages(question: str, context: str, history: Sequence[dict] = ()) -> list[dict]:

@@ -18,6 +18,7 @@ from turborag_integrations.core.request import Request
 from turborag_integrations.core.kv.arena import BatchArena
 from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prompt_template import render_chat
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
           "Carol sails to Oslo every June.", "The old mill grinds rye on Sundays."]
@@ -320,7 +321,7 @@ def test_calls_run_on_the_worker_between_rounds(engine, monkeypatch):
         assert scheduler.call(lambda: 42).result(timeout=60) == 42
     name, in_flight = ran[0]
     assert name == "the-worker" and in_flight >= 1 and ran[1] == "after the error"
-    assert keys == [engine.chunk_key(c) for c in new_chunks]
+    assert keys == [engine.library.chunk_key(c) for c in new_chunks]
     assert all(engine.store.contains(k) for k in keys)
     assert [r.token_ids for r in results] == [s.token_ids for s in solo]
     with pytest.raises(RuntimeError, match="closed"):
@@ -386,7 +387,7 @@ def test_real_model_batched_answers_equal_solo_answers(smollm2, tmp_path):
                  "Where does Carol sail?", "When does the mill grind rye?",
                  "Summarise the context in one sentence.", "Which city is mentioned first?"]
     engine.encode_chunks(CHUNKS)
-    prompts = [engine.render_chat([{"role": "user", "content": "Context:\n" + "\n".join(CHUNKS)
+    prompts = [render_chat(engine.tokenizer, [{"role": "user", "content": "Context:\n" + "\n".join(CHUNKS)
                                     + f"\n\nQuestion: {q}"}]) for q in questions]
     config = GenerationConfig(max_new_tokens=24)
     solo = [engine.generate(p, chunks=CHUNKS, config=config).token_ids for p in prompts]

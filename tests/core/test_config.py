@@ -71,7 +71,7 @@ def test_a_config_and_its_flat_spelling_make_the_same_blobs(tmp_path):
     # the tiny model has no shipped encoder: "default" and None encode alike
     assert by_config.fingerprint.id == by_name.fingerprint.id
     text = "The lighthouse keeper logged 38 metres of visibility."
-    a, b = by_config.encoder.encode(text), by_name.encoder.encode(text)
+    a, b = by_config.library.encoder.encode(text), by_name.library.encoder.encode(text)
     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert by_config.fingerprint.id != TurboRAGEngine(
         loaded, store=tmp_path / "c", progress=False).fingerprint.id  # context encoding differs

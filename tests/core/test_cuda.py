@@ -27,8 +27,8 @@ def test_stitched_prefill_on_cuda_equals_masked_forward(tmp_path, accelerator_by
     engine = TurboRAGEngine(loaded, store=KVStore(tmp_path, accelerator_bytes=accelerator_bytes),
                             progress=False)
     engine.encode_chunks([TEXT, OTHER])
-    segs = [Segment("<s>user\n"), Segment(TEXT, engine.blob_for(TEXT)),
-            Segment(OTHER, engine.blob_for(OTHER)), Segment(" How high is it?\n")]
+    segs = [Segment("<s>user\n"), Segment(TEXT, engine.library.blob_for(TEXT)),
+            Segment(OTHER, engine.library.blob_for(OTHER)), Segment(" How high is it?\n")]
     pre = engine.prefill(segs, reserve=4)
     ref = reference_forward(loaded.model, plan_prompt(segs, engine.tokenizer))
     assert (pre.logits.float() - ref[-1]).abs().max().item() < 1e-4

@@ -9,6 +9,7 @@ from turborag_integrations.core.decode.loop import TextDeltas, now
 from turborag_integrations.core.decode.sampling import warp_logits
 from turborag_integrations.core.run import RunProgress, RunStats
 from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prompt_template import render_chat
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles."]
 
@@ -153,7 +154,7 @@ def test_prompt_over_window_is_refused(engine):
 
 
 def test_chat_template_render(engine):
-    text = engine.render_chat([{"role": "user", "content": "hi"}])
+    text = render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}])
     assert text.endswith("assistant\n") and "hi" in text
 
 
@@ -173,8 +174,8 @@ def test_prefix_caching_is_exact(tiny, tmp_path):
     without = TurboRAGEngine(tiny, store=tmp_path / "b", cache_prefix=False, recovery="none")
     for e in (with_prefix, without):
         e.encode_chunks(CHUNKS)
-    a = with_prefix.prefill(with_prefix.segments(prompt, CHUNKS)[0])
-    b = without.prefill(without.segments(prompt, CHUNKS)[0])
+    a = with_prefix.prefill(with_prefix.assembly.segments(prompt, CHUNKS)[0])
+    b = without.prefill(without.assembly.segments(prompt, CHUNKS)[0])
     assert a.plan.reused_tokens == b.plan.reused_tokens + len("System: be brief.\nContext:\n")
     assert a.plan.token_ids == b.plan.token_ids
     torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
@@ -228,9 +229,9 @@ def test_namespaces_reuse_only_their_own_blobs_and_the_shared_ones(tiny, tmp_pat
         assert stats.cache_hits == hits, view.namespace
     assert b.generate(prompt, chunks=CHUNKS, config=config).stats.reused_tokens >= tokens["1"]
     b.generate(prompt, chunks=CHUNKS, config=config, encode_missing=True)  # encodes CHUNKS[0]
-    assert b.store.contains(b.chunk_key(CHUNKS[0])) and not b.store.contains(b.chunk_key(CHUNKS[1]))
-    assert not public.store.contains(public.chunk_key(CHUNKS[0]))
-    assert a.chunk_key(CHUNKS[0]) != b.chunk_key(CHUNKS[0]) != engine.chunk_key(CHUNKS[0])
+    assert b.store.contains(b.library.chunk_key(CHUNKS[0])) and not b.store.contains(b.library.chunk_key(CHUNKS[1]))
+    assert not public.store.contains(public.library.chunk_key(CHUNKS[0]))
+    assert a.library.chunk_key(CHUNKS[0]) != b.library.chunk_key(CHUNKS[0]) != engine.library.chunk_key(CHUNKS[0])
     engine.close()
 
 
@@ -267,21 +268,21 @@ def test_views_of_quiet_namespaces_are_let_go_and_share_one_key_cache(tiny, tmp_
     the chunk keys they remember live in one bounded cache."""
     monkeypatch.setattr(TurboRAGEngine, "MAX_VIEWS", 2)
     engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
-    engine._keys.max_entries = 4
+    engine.library._keys.max_entries = 4
     first = engine.namespaced("acme/s0")
     key = first.encode_chunks(CHUNKS[:1])[0]
     for i in range(1, 4):
         view = engine.namespaced(f"acme/s{i}")
-        assert view._keys is engine._keys
-        view.chunk_key(CHUNKS[0])
-        view.chunk_key(CHUNKS[1])
-    assert len(engine._keys) == 4  # one bound over every namespace
+        assert view.library._keys is engine.library._keys
+        view.library.chunk_key(CHUNKS[0])
+        view.library.chunk_key(CHUNKS[1])
+    assert len(engine.library._keys) == 4  # one bound over every namespace
     assert engine.namespaced("acme/s3") is view and len(engine._views) == 2
     again = engine.namespaced("acme/s0")
-    assert again is not first and again.chunk_key(CHUNKS[0]) == key  # the same namespace
+    assert again is not first and again.library.chunk_key(CHUNKS[0]) == key  # the same namespace
     prompt = "Context:\n" + CHUNKS[0] + "\nQuestion: who?\nAnswer:"
     config = GenerationConfig(max_new_tokens=3)
     for held in (first, again):  # the one let go still answers from its namespace's blobs
         assert held.generate(prompt, chunks=CHUNKS[:1], config=config).stats.cache_hits == 1
-    assert engine.namespaced("acme/s1").chunk_key(CHUNKS[0]) != key
+    assert engine.namespaced("acme/s1").library.chunk_key(CHUNKS[0]) != key
     engine.close()

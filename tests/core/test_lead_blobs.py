@@ -14,7 +14,7 @@ QUESTION = "\nQ: where was Alice born?\nA:"
 
 
 def last_logits(engine, prompt, chunks, **kwargs):
-    segments, _, _ = engine.segments(prompt, chunks)
+    segments, _, _ = engine.assembly.segments(prompt, chunks)
     return engine.prefill(segments, **kwargs).logits[-1].float(), segments
 
 
@@ -31,8 +31,8 @@ def test_first_chunk_after_a_known_head_is_the_full_prefill(engine):
     blob gives what recomputing the first chunk (recovery "first") gives, at no query cost."""
     prompt = HEAD + CHUNKS[0] + QUESTION
     lead, segments = last_logits(engine, prompt, CHUNKS[:1])
-    assert engine.is_lead(segments[1].blob) and segments[1].blob.base_position == len(
-        engine.prompt_heads[0])
+    assert engine.library.is_lead(segments[1].blob) and segments[1].blob.base_position == len(
+        engine.library.prompt_heads[0])
     full, _ = last_logits(engine, prompt, [])
     torch.testing.assert_close(lead, full, atol=1e-4, rtol=0)
 
@@ -40,7 +40,7 @@ def test_first_chunk_after_a_known_head_is_the_full_prefill(engine):
     lead, _ = last_logits(engine, prompt, CHUNKS)
     other = TurboRAGEngine(engine.loaded, store=engine.store, recovery="none")  # no prompt heads
     usual, segments = last_logits(other, prompt, CHUNKS)
-    assert not any(other.is_lead(s.blob) for s in segments)
+    assert not any(other.library.is_lead(s.blob) for s in segments)
     recomputed, _ = last_logits(other, prompt, CHUNKS, recovery="first")
     torch.testing.assert_close(lead, recomputed, atol=1e-4, rtol=0)
     assert (usual - recomputed).abs().max() > 1e-3  # the usual first blob is not exact
@@ -52,41 +52,41 @@ def test_only_the_first_chunk_after_that_very_head_uses_it(engine):
     assert known.stats.extra["lead_blob"] is True and known.stats.cache_hits == 2
     other = "<s>user\nRead this:\n" + "\n\n".join(CHUNKS) + QUESTION
     assert "lead_blob" not in engine.generate(other, chunks=CHUNKS, config=cfg).stats.extra
-    segments, _, _ = engine.segments(HEAD + "\n\n".join(CHUNKS) + QUESTION, CHUNKS)
+    segments, _, _ = engine.assembly.segments(HEAD + "\n\n".join(CHUNKS) + QUESTION, CHUNKS)
     # the head's own blob, the first chunk's lead blob, the separator's and the second chunk's
-    assert [engine.is_lead(s.blob) for s in segments if s.cached] == [False, True, False, False]
+    assert [engine.library.is_lead(s.blob) for s in segments if s.cached] == [False, True, False, False]
 
 
 def test_a_head_added_after_ingestion_encodes_lead_blobs_when_first_needed(tiny_llama, tmp_path):
     with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", recovery="none") as engine:
         engine.encode_chunks(CHUNKS)
         before = set(engine.store.keys())
-        ids = engine.add_prompt_head(HEAD)
-        assert engine.prompt_heads == [ids]
+        ids = engine.library.add_prompt_head(HEAD)
+        assert engine.library.prompt_heads == [ids]
         result = engine.generate(HEAD + CHUNKS[1] + QUESTION, chunks=CHUNKS[1:],
                                  config=GenerationConfig(max_new_tokens=2))
         assert result.stats.extra["lead_blob"] is True
         added = set(engine.store.keys()) - before
-        assert len([k for k in added if k != engine.prefix_key(HEAD)]) == 1  # kept for next time
+        assert len([k for k in added if k != engine.library.prefix_key(HEAD)]) == 1  # kept for next time
 
 
 def test_a_lead_blob_made_when_first_needed_goes_with_its_chunks_documents(tiny_llama, tmp_path):
     with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", recovery="none") as engine:
         engine.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])
         engine.encode_chunks(CHUNKS[:1], doc_ids=["d3"])  # a chunk two documents share
-        engine.add_prompt_head(HEAD)
+        engine.library.add_prompt_head(HEAD)
         result = engine.generate(HEAD + CHUNKS[0] + QUESTION, chunks=CHUNKS[:1],
                                  config=GenerationConfig(max_new_tokens=2))
         assert result.stats.extra["lead_blob"] is True
-        lead = next(k for k in engine.store.keys() if engine.is_lead(engine.store.get(k)))
+        lead = next(k for k in engine.store.keys() if engine.library.is_lead(engine.store.get(k)))
         assert engine.forget_document("d1") == []  # d3 still uses the chunk and its lead blob
-        assert sorted(engine.forget_document("d3")) == sorted([engine.chunk_key(CHUNKS[0]), lead])
-        assert set(engine.store.keys()) - {engine.prefix_key(HEAD)} == {
-            engine.chunk_key(CHUNKS[1])}
+        assert sorted(engine.forget_document("d3")) == sorted([engine.library.chunk_key(CHUNKS[0]), lead])
+        assert set(engine.store.keys()) - {engine.library.prefix_key(HEAD)} == {
+            engine.library.chunk_key(CHUNKS[1])}
 
 
 def test_lead_blobs_are_stored_once_and_go_with_their_document(engine):
-    leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
+    leads = [k for k in engine.store.keys() if engine.library.is_lead(engine.store.get(k))]
     assert len(leads) == 2
     engine.encode_chunks(CHUNKS, doc_ids=["d1", "d2"])  # nothing new
     assert len(engine.store.keys()) == 4
@@ -97,11 +97,11 @@ def test_lead_blobs_are_stored_once_and_go_with_their_document(engine):
 
 def test_prompt_head_from_a_rendered_template(engine):
     rendered = HEAD + "@@CONTEXT@@" + QUESTION
-    assert engine.prompt_head(rendered, "@@CONTEXT@@") == HEAD
+    assert engine.assembly.prompt_head(rendered, "@@CONTEXT@@") == HEAD
     with pytest.raises(ValueError, match="context marker"):
-        engine.prompt_head(HEAD + QUESTION, "@@CONTEXT@@")
+        engine.assembly.prompt_head(HEAD + QUESTION, "@@CONTEXT@@")
     with pytest.raises(ValueError, match="at least one token"):
-        engine.add_prompt_head("")
+        engine.library.add_prompt_head("")
 
 
 def test_a_head_is_matched_as_a_prompt_tokenizes_it_before_a_chunk(tmp_path):
@@ -115,11 +115,11 @@ def test_a_head_is_matched_as_a_prompt_tokenizes_it_before_a_chunk(tmp_path):
     alone = loaded.tokenizer(head, add_special_tokens=False)["input_ids"]
     with TurboRAGEngine(loaded, store=tmp_path / "kv", prompt_heads=[head],
                         recovery="none") as engine:
-        assert len(engine.prompt_heads[0]) == len(alone) + 1
+        assert len(engine.library.prompt_heads[0]) == len(alone) + 1
         engine.encode_chunks(CHUNKS)
         prompt = head + CHUNKS[0] + QUESTION
         lead, segments = last_logits(engine, prompt, CHUNKS[:1])
-        assert engine.is_lead(segments[1].blob)
+        assert engine.library.is_lead(segments[1].blob)
         full, _ = last_logits(engine, prompt, [])
         torch.testing.assert_close(lead, full, atol=1e-4, rtol=0)
 

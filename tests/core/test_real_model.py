@@ -4,6 +4,7 @@ import pytest
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prompt_template import render_chat
 
 pytestmark = pytest.mark.real_model
 
@@ -22,7 +23,7 @@ def test_question_answered_from_three_stitched_chunks(smollm2, tmp_path):
     engine = TurboRAGEngine(smollm2, store=tmp_path / "kv")
     chunks = [DISTRACTORS[0], LIGHTHOUSE, DISTRACTORS[1]]
     engine.encode_chunks(chunks)
-    prompt = engine.render_chat([
+    prompt = render_chat(engine.tokenizer, [
         {"role": "system", "content": "Answer the question using only the context."},
         {"role": "user", "content": "Context:\n\n" + "\n\n".join(chunks)
          + "\n\nQuestion: How high is the Tall Widow lighthouse?"}])
@@ -30,7 +31,7 @@ def test_question_answered_from_three_stitched_chunks(smollm2, tmp_path):
     assert "38" in result.text
     stats = result.stats
     assert stats.cache_hits == 3 and stats.cache_misses == 0
-    chunk_tokens = sum(len(engine.encoder.tokenize(c)) for c in chunks)
+    chunk_tokens = sum(len(engine.library.encoder.tokenize(c)) for c in chunks)
     assert stats.reused_tokens >= chunk_tokens
     assert stats.prefilled_tokens < 40  # the question and the template's glue, nothing more
 
@@ -67,8 +68,8 @@ def test_bundled_encoder_is_loaded_by_default_and_never_changes_a_full_prefill(s
     with_enc = TurboRAGEngine(smollm2, store=tmp_path / "kv")
     plain = TurboRAGEngine(smollm2, store=tmp_path / "kv", encoder=None)
     assert with_enc.learned is not None and "+enc:" in with_enc.fingerprint.encoding
-    assert with_enc.chunk_key(LIGHTHOUSE) != plain.chunk_key(LIGHTHOUSE)
-    prompt = with_enc.render_chat([{"role": "user", "content": LIGHTHOUSE + "\nHow high is the "
+    assert with_enc.library.chunk_key(LIGHTHOUSE) != plain.library.chunk_key(LIGHTHOUSE)
+    prompt = render_chat(with_enc.tokenizer, [{"role": "user", "content": LIGHTHOUSE + "\nHow high is the "
                                     "Tall Widow?"}])
     config = GenerationConfig(max_new_tokens=8)
     assert with_enc.generate(prompt, config=config, mode="naive").token_ids == \

@@ -20,6 +20,7 @@ from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.kv.cache import KVCache
 from turborag_integrations.core.rapid import RapidEngine, Side, speculate
 from turborag_integrations.core.settings import GenerationConfig, SpeculationConfig
+from turborag_integrations.core.prompt_template import render_chat
 
 CPU = torch.device("cpu")
 PARAGRAPHS = [
@@ -51,7 +52,7 @@ def answer(engine: TurboRAGEngine, rapid: RapidEngine, kind: str, question: str)
     if kind == "rapid-stock":
         return stock_rapid(engine, rapid, question)
     # The chunks are separated by plain text, so the turbo prefill is a masked forward.
-    prompt = engine.render_chat([{"role": "user", "content": f"{CONTEXT}\n\n{question}"}])
+    prompt = render_chat(engine.tokenizer, [{"role": "user", "content": f"{CONTEXT}\n\n{question}"}])
     return engine.generate(prompt, chunks=PARAGRAPHS, config=config,
                            mode="naive" if kind == "naive" else "turbo").token_ids
 
@@ -64,7 +65,7 @@ def stock_rapid(engine: TurboRAGEngine, rapid: RapidEngine, question: str) -> li
     try:
         for context in (CONTEXT, PARAGRAPHS[0]):
             prompt = "".join(rapid.render(engine, context, question))
-            segments, _, _ = engine.segments(prompt, PARAGRAPHS)
+            segments, _, _ = engine.assembly.segments(prompt, PARAGRAPHS)
             pres.append(engine.prefill(segments, reserve=reserve))
         target, drafter = (Side(engine.model, p.cache, p.logits, p.next_position, fast=False)
                            for p in pres)

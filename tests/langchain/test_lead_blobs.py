@@ -21,7 +21,7 @@ QUESTION = "How many steps do visitors climb in the lighthouse?"
 def test_a_chain_stitches_its_first_document_from_the_lead_blob(engine, minilm, tmp_path):
     model = TurboRAGChatModel(engine=engine, max_tokens=2)
     head = model.add_prompt(PROMPT)
-    assert head == engine.prompt_head(model.render(PROMPT.format_messages(
+    assert head == engine.assembly.prompt_head(model.render(PROMPT.format_messages(
         context="\x00TURBORAG-CONTEXT\x00", question="?")))
     store = KVCachingVectorStore(engine=engine, embedding=minilm,
                                  persist_directory=str(tmp_path / "chroma"))
@@ -36,7 +36,7 @@ def test_a_chain_stitches_its_first_document_from_the_lead_blob(engine, minilm, 
     prompt = model.render(PROMPT.format_messages(context=doc.page_content, question=QUESTION))
     out = {}
     for mode in ("turbo", "naive"):
-        pre = engine.prefill(engine.segments(prompt, [doc.page_content] if mode == "turbo" else ())[0])
+        pre = engine.prefill(engine.assembly.segments(prompt, [doc.page_content] if mode == "turbo" else ())[0])
         out[mode] = pre.logits.reshape(-1).clone()
         engine.cache_pool.release(pre.cache)
     torch.testing.assert_close(out["turbo"], out["naive"], atol=1e-4, rtol=0)
@@ -49,7 +49,7 @@ def test_question_first_prompts_need_question_last(engine, tmp_path):
         TurboRAGChatModel(engine=engine).add_prompt(question_first)
     turned = TurboRAGEngine(engine.loaded, store=str(tmp_path / "kv2"), question_last=True)
     head = TurboRAGChatModel(engine=turned).add_prompt(question_first)
-    assert "Question" not in head and len(turned.prompt_heads) == 1
+    assert "Question" not in head and len(turned.library.prompt_heads) == 1
     with pytest.raises(ValueError, match="no {context}"):
         TurboRAGChatModel(engine=turned).add_prompt(ChatPromptTemplate.from_template("{q}"))
 
@@ -61,4 +61,4 @@ def test_a_string_llm_registers_the_text_before_its_context(engine):
 
     head = TurboRAGLLM(engine=engine).add_prompt(
         PromptTemplate.from_template("Use the context.\n{context}\nQ: {question}\nA:"))
-    assert head == "Use the context.\n" and len(engine.prompt_heads) == 1
+    assert head == "Use the context.\n" and len(engine.library.prompt_heads) == 1

@@ -35,21 +35,21 @@ def test_metadata_blobs_and_delete(engine, minilm, tmp_path):
     ids = store.add_documents(docs, ids=["a", "b", "c"])
     assert ids == ["a", "b", "c"]
     for doc in store.get_by_ids(ids):
-        assert doc.metadata[KV_KEY] == engine.chunk_key(doc.page_content)
+        assert doc.metadata[KV_KEY] == engine.library.chunk_key(doc.page_content)
         assert doc.metadata[FINGERPRINT] == engine.fingerprint.id
         assert engine.store.contains(doc.metadata[KV_KEY])
     assert docs[0].metadata == {"source": docs[0].metadata["source"]}  # inputs not mutated
-    key_a = engine.chunk_key(docs[0].page_content)
+    key_a = engine.library.chunk_key(docs[0].page_content)
     store.delete(["a"])
     assert not engine.store.contains(key_a)
-    assert engine.store.contains(engine.chunk_key(docs[1].page_content))
+    assert engine.store.contains(engine.library.chunk_key(docs[1].page_content))
 
 
 def test_shared_text_keeps_its_blob_until_the_last_document_goes(engine, minilm, tmp_path):
     store = make_store(engine, minilm, tmp_path)
     text = sample_paragraphs(1)[0].page_content
     store.add_texts([text, text], ids=["x", "y"])
-    key = engine.chunk_key(text)
+    key = engine.library.chunk_key(text)
     store.delete(["x"])
     assert engine.store.contains(key)
     store.delete(["y"])
@@ -66,8 +66,8 @@ def test_document_replaced_through_the_wrapper(engine, minilm, tmp_path):
     new = old.replace(" the ", " THE ", 1)
     assert new != old
     store.add_documents([Document(page_content=new, metadata=docs[0].metadata)], ids=["a"])
-    assert not engine.store.contains(engine.chunk_key(old))
-    assert engine.store.contains(engine.chunk_key(new))
+    assert not engine.store.contains(engine.library.chunk_key(old))
+    assert engine.store.contains(engine.library.chunk_key(new))
     assert old not in registry
 
     llm = TurboRAGChatModel(engine=engine, registry=registry, max_tokens=4)
@@ -215,11 +215,11 @@ def test_pieces_of_one_source_are_encoded_after_the_piece_before(minilm, tmp_pat
         texts[0] + "\n\n" + texts[2]  # every piece before it, as far as the context holds
     store = make_store(engine, minilm, tmp_path)
     store.add_texts(texts, metadatas=metas)
-    enc = engine.encoder
+    enc = engine.library.encoder
     for text, before in zip(texts, _contexts(texts, metas, 16)):
         ids = enc.tokenize(text)
         want = enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
-        blob = engine.blob_for(text)
+        blob = engine.library.blob_for(text)
         assert blob.base_position == want.base_position
         torch.testing.assert_close(blob.values, want.values, atol=1e-5, rtol=0)
-    assert engine.blob_for(texts[2]).base_position > enc.base_position
+    assert engine.library.blob_for(texts[2]).base_position > enc.base_position

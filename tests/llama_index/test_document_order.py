@@ -88,7 +88,7 @@ def ask(index, engine, postprocessors):
     assert llm.last_stats["cache_hits"] == len(LIGHTHOUSE)
     logits = {}
     for mode in ("turbo", "naive"):
-        pre = engine.prefill(engine.segments(prompts[-1], texts if mode == "turbo" else ())[0])
+        pre = engine.prefill(engine.assembly.segments(prompts[-1], texts if mode == "turbo" else ())[0])
         logits[mode] = pre.logits.reshape(-1).clone()
         engine.cache_pool.release(pre.cache)
     return prompts[-1], texts, logits

@@ -28,7 +28,7 @@ def test_add_stores_the_blob_of_the_text_the_llm_sees(index, kv_store, engine):
         text = llm_text(node)
         assert KV_KEY_METADATA not in text and text.startswith("source: ")
         assert KV_KEY_METADATA not in node.get_content(metadata_mode=MetadataMode.EMBED)
-        assert engine.chunk_key(text) == key and engine.store.contains(key)
+        assert engine.library.chunk_key(text) == key and engine.store.contains(key)
         assert engine.store.get(key, engine.fingerprint) is not None
 
 
@@ -132,7 +132,7 @@ def test_tenants_on_one_engine_keep_their_documents_and_blobs_apart(engine, tmp_
 
 def context_blob(engine, text: str, before: str | None):
     """The blob `text` gets when encoded after `before` (None: alone)."""
-    enc = engine.encoder
+    enc = engine.library.encoder
     ids = enc.tokenize(text)
     return enc.encode_ids([ids], contexts=[enc.context_ids(before, len(ids))])[0]
 
@@ -167,7 +167,7 @@ def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
         firsts += before is None
         assert before is None or before.endswith(
             nodes[node.prev_node.node_id].get_content().strip())
-        blob = engine.blob_for(llm_text(node))
+        blob = engine.library.blob_for(llm_text(node))
         want = context_blob(engine, llm_text(node), before)
         assert blob.base_position == want.base_position
         torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
@@ -177,8 +177,8 @@ def test_nodes_are_encoded_after_their_previous_node(tmp_path, embed_model):
     late = TextNode(text="A late addendum: the ice melted in April.", id_="late")
     late.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=last.node_id)
     index.insert_nodes([late])
-    blob = engine.blob_for(llm_text(late))
-    assert blob.base_position > engine.encoder.base_position
+    blob = engine.library.blob_for(llm_text(late))
+    assert blob.base_position > engine.library.encoder.base_position
     want = context_blob(engine, llm_text(late), text_before(chain(last), "", 24) + "\n\n"
                         + last.get_content())
     torch.testing.assert_close(blob.keys, want.keys, atol=1e-5, rtol=0)
@@ -200,7 +200,7 @@ def test_nodes_are_encoded_alone_with_context_tokens_0(tmp_path, embed_model):
     nodes = store.get_nodes()
     assert len(nodes) > 2 and sum(n.prev_node is not None for n in nodes) > 1
     for node in nodes:
-        assert engine.blob_for(llm_text(node)).base_position == engine.encoder.base_position
+        assert engine.library.blob_for(llm_text(node)).base_position == engine.library.encoder.base_position
 
 
 def test_an_llm_that_loads_its_own_engine_takes_context_tokens(model_dir, tmp_path):
@@ -209,7 +209,7 @@ def test_an_llm_that_loads_its_own_engine_takes_context_tokens(model_dir, tmp_pa
 
     llm = TurboRAGLLM(model_name=str(model_dir), store_path=str(tmp_path / "kv"),
                       context_tokens=8)
-    assert llm._engine.encoder.context_tokens == 8
+    assert llm._engine.library.encoder.context_tokens == 8
     assert llm._engine.fingerprint.encoding.endswith("+context:8")
     with pytest.raises(pydantic.ValidationError):
         TurboRAGLLM(model_name=str(model_dir), context_tokens=-1)
@@ -234,8 +234,8 @@ def test_ingesting_a_document_replaces_the_blobs_its_nodes_got_when_retrieved(tm
     splitter = SentenceSplitter(chunk_size=48, chunk_overlap=0)
     nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
     KVCachePostprocessor(engine).postprocess_nodes([NodeWithScore(node=n) for n in nodes])
-    alone = engine.encoder.base_position
-    before = {llm_text(n): engine.blob_for(llm_text(n)) for n in nodes}
+    alone = engine.library.encoder.base_position
+    before = {llm_text(n): engine.library.blob_for(llm_text(n)) for n in nodes}
     assert {b.base_position for b in before.values()} == {alone}
 
     store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
@@ -252,7 +252,7 @@ def test_ingesting_a_document_replaces_the_blobs_its_nodes_got_when_retrieved(tm
         transformations=[splitter])
     positions = []
     for node in store.get_nodes():
-        got, want = engine.blob_for(llm_text(node)), fresh.blob_for(llm_text(node))
+        got, want = engine.library.blob_for(llm_text(node)), fresh.library.blob_for(llm_text(node))
         positions.append(got.base_position)
         assert got.base_position == want.base_position
         if got.base_position == alone:

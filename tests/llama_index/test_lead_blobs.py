@@ -36,7 +36,7 @@ def ask(tmp_path, embed_model, k: int, stock_head: bool):
 
 
 def logits(engine, prompt, texts, **kwargs):
-    pre = engine.prefill(engine.segments(prompt, texts)[0], **kwargs)
+    pre = engine.prefill(engine.assembly.segments(prompt, texts)[0], **kwargs)
     out = pre.logits.reshape(-1).clone()
     engine.cache_pool.release(pre.cache)
     return out
@@ -44,21 +44,21 @@ def logits(engine, prompt, texts, **kwargs):
 
 def test_one_retrieved_chunk_stitches_to_the_full_prefill(tmp_path, embed_model):
     llm, engine, prompt, texts = ask(tmp_path, embed_model, k=1, stock_head=True)
-    assert len(engine.prompt_heads) == 1 and llm.last_stats["cache_hits"] == 1
-    assert prompt.startswith(engine.tokenizer.decode(engine.prompt_heads[0]))
+    assert len(engine.library.prompt_heads) == 1 and llm.last_stats["cache_hits"] == 1
+    assert prompt.startswith(engine.tokenizer.decode(engine.library.prompt_heads[0]))
     full = logits(engine, prompt, [])
     torch.testing.assert_close(logits(engine, prompt, texts), full, atol=1e-4, rtol=0)
 
 
 def test_without_the_stock_head_the_first_chunk_is_not_exact(tmp_path, embed_model):
     llm, engine, prompt, texts = ask(tmp_path, embed_model, k=1, stock_head=False)
-    assert engine.prompt_heads == [] and llm.last_stats["cache_hits"] == 1
+    assert engine.library.prompt_heads == [] and llm.last_stats["cache_hits"] == 1
     assert (logits(engine, prompt, texts) - logits(engine, prompt, [])).abs().max() > 1e-3
 
 
 def test_every_chunk_gets_its_lead_blob_at_ingestion(tmp_path, embed_model):
     llm, engine, prompt, texts = ask(tmp_path, embed_model, k=3, stock_head=True)
-    leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
+    leads = [k for k in engine.store.keys() if engine.library.is_lead(engine.store.get(k))]
     assert len(leads) == len(TEXTS)
     # three chunks: the first is exact, as recomputing it would make it
     recomputed = logits(TurboRAGEngine(engine.loaded, store=engine.store,
@@ -72,7 +72,7 @@ def test_add_prompt_takes_other_templates_and_refuses_what_cannot_have_a_head(tm
                             recovery="none")
     llm = TurboRAGLLM(engine, stock_head=False)
     head = llm.add_prompt(PromptTemplate("Read:\n{context_str}\nQ: {query_str}\nA:"))
-    assert head.endswith("Read:\n") and len(engine.prompt_heads) == 1
+    assert head.endswith("Read:\n") and len(engine.library.prompt_heads) == 1
     with pytest.raises(ValueError, match="no {context_str}"):
         llm.add_prompt(PromptTemplate("Q: {query_str}\nA:"))
     with pytest.raises(ValueError, match="before the context"):

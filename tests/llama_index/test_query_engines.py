@@ -15,6 +15,7 @@ from turborag_integrations.llama_index import (KVCachePostprocessor, KVCachingVe
                                                TurboRAGLLM, llm_text)
 
 from .conftest import build_index, make_engine
+from turborag_integrations.core.prompt_template import render_chat
 
 QUESTION = "How high is the Tall Widow lighthouse?"
 MODES = ["compact", "refine", "tree_summarize"]
@@ -225,7 +226,7 @@ def test_complete_and_chat_use_the_chat_template(engine):
     chat = llm.chat([ChatMessage(role="user", content="hi")])
     assert completion.text == chat.message.content
     assert chat.additional_kwargs["turborag"]["prompt_tokens"] == len(
-        engine.tokenizer(engine.render_chat([{"role": "user", "content": "hi"}]),
+        engine.tokenizer(render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}]),
                          add_special_tokens=False)["input_ids"])
     streamed = list(llm.stream_chat([ChatMessage(role="user", content="hi")]))
     assert streamed[-1].message.content == chat.message.content

@@ -8,6 +8,7 @@ from turborag_integrations.core.settings import GenerationConfig
 from turborag_integrations.server.app import create_app
 
 from .conftest import DOCS, sse_events
+from turborag_integrations.core.prompt_template import render_chat
 
 QUESTION = "How high is the Tall Widow lighthouse?"
 
@@ -61,7 +62,7 @@ def test_chat_reuses_ingested_chunks_found_by_content(client, engine, model, ing
     assert stats["reused_tokens"] >= sum(len(d.encode()) for d in ingested)  # byte tokenizer
     assert stats["chunk_lookup_s"] >= 0
 
-    prompt = engine.render_chat(messages)
+    prompt = render_chat(engine.tokenizer, messages)
     own = engine.generate(prompt, chunks=ingested, config=GenerationConfig(max_new_tokens=12))
     assert choice["message"]["content"] == own.text
     assert body["usage"] == {"prompt_tokens": own.stats.prompt_tokens, "completion_tokens": 12,
@@ -313,6 +314,6 @@ def test_chunks_are_encoded_after_the_contexts_sent_with_them(tmp_path):
         error = error_of(client.post("/v1/turborag/chunks",
                                      json={"texts": texts, "contexts": [None]}), 400)
         assert "1 contexts for 2 texts" in error["message"]
-    enc = engine.encoder
-    assert engine.blob_for(texts[0]).base_position == enc.base_position
-    assert engine.blob_for(texts[1]).base_position == enc.base_position + 16
+    enc = engine.library.encoder
+    assert engine.library.blob_for(texts[0]).base_position == enc.base_position
+    assert engine.library.blob_for(texts[1]).base_position == enc.base_position + 16

@@ -12,6 +12,7 @@ from turborag_integrations.core.settings import DEFAULT_RECOVERY, GenerationConf
 from turborag_integrations.server.app import create_app
 
 from .conftest import DOCS, final_stats, running, sse_events
+from turborag_integrations.core.prompt_template import render_chat
 
 QUESTIONS = ["How high is the lighthouse?", "When does the ferry stop?", "What does the kiln fire?",
              "Who lit the lamp first?", "Why does the harbour freeze?", "Where are the mirrors?"]
@@ -49,7 +50,7 @@ def test_concurrent_answers_equal_their_answers_alone(server, engine):
     url, app = server
     bodies = [{"model": engine.loaded.name, "messages": messages(i), "temperature": 0,
                "max_tokens": 24 + 6 * i, "stream": i % 2 == 1} for i in range(len(QUESTIONS))]
-    alone = [engine.generate(engine.render_chat(messages(i)), chunks=DOCS,
+    alone = [engine.generate(render_chat(engine.tokenizer, messages(i)), chunks=DOCS,
                              config=GenerationConfig(max_new_tokens=b["max_tokens"])).text
              for i, b in enumerate(bodies)]
     assert len(set(alone)) == len(alone)  # different prompts, different answers
@@ -107,7 +108,7 @@ def test_a_stop_string_ends_one_answer_of_the_batch(server, engine):
 # ---- naive mode ------------------------------------------------------------------------------
 def test_naive_mode_reuses_nothing_and_answers_as_a_full_prefill(server, engine):
     url, _ = server
-    prompt = engine.render_chat(messages(2))
+    prompt = render_chat(engine.tokenizer, messages(2))
     config = GenerationConfig(max_new_tokens=12)
     body = {"model": engine.loaded.name, "messages": messages(2), "temperature": 0,
             "max_tokens": 12}
@@ -149,7 +150,7 @@ def test_the_recovery_field_reaches_the_prefill_and_a_bad_one_is_a_400(server, e
     (the answer is the engine's own with that recovery), the server's default without one,
     and a spec that does not parse is refused before any compute, naming the spellings."""
     url, _ = server
-    prompt = engine.render_chat(messages(1))
+    prompt = render_chat(engine.tokenizer, messages(1))
     config = GenerationConfig(max_new_tokens=12)
     body = {"model": engine.loaded.name, "messages": messages(1), "temperature": 0,
             "max_tokens": 12}

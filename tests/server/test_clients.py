@@ -13,6 +13,7 @@ from turborag_integrations.server.app import create_app
 from turborag_integrations.server.schemas import ChatCompletionRequest
 
 from .conftest import DOCS, Recorder, final_stats, running
+from turborag_integrations.core.prompt_template import render_chat
 
 QUESTION = "How high is the Tall Widow lighthouse?"
 MAX_TOKENS = 12
@@ -27,7 +28,7 @@ def server(engine):
 
 def engine_answer(engine, request_body: dict, chunks) -> str:
     """What the engine itself answers to the prompt a client sent (greedy)."""
-    prompt = engine.render_chat(ChatCompletionRequest.model_validate(request_body).chat())
+    prompt = render_chat(engine.tokenizer, ChatCompletionRequest.model_validate(request_body).chat())
     return engine.generate(prompt, chunks=chunks,
                            config=GenerationConfig(max_new_tokens=MAX_TOKENS)).text
 

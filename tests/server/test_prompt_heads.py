@@ -28,7 +28,7 @@ def served(tmp_path_factory):
     (folder / "rag.json").write_text(json.dumps(TEMPLATE))
     engine = make_engine(folder)
     engine.add_prompt(render_prompt_template(read_prompt_template(folder / "rag.json"),
-                                             engine.render_chat))
+                                             engine.tokenizer))
     with TestClient(create_app(engine)) as client:
         r = client.post("/v1/turborag/chunks", json={"texts": DOCS})
         assert r.status_code == 200, r.text
@@ -45,8 +45,8 @@ def ask(client, engine, messages, **params):
 
 def test_ingestion_encodes_a_lead_blob_per_chunk(served):
     _, engine = served
-    assert len(engine.prompt_heads) == 1
-    leads = [k for k in engine.store.keys() if engine.is_lead(engine.store.get(k))]
+    assert len(engine.library.prompt_heads) == 1
+    leads = [k for k in engine.store.keys() if engine.library.is_lead(engine.store.get(k))]
     assert len(leads) == len(DOCS)
 
 

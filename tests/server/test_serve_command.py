@@ -130,6 +130,6 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     assert isinstance(app, FastAPI) and app.state.scheduler.max_batch == 3
     assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 9000
     assert ran[2] == "close"
-    assert engine.prompt_heads == [tuple(engine.tokenizer("Read:\n", add_special_tokens=False)
+    assert engine.library.prompt_heads == [tuple(engine.tokenizer("Read:\n", add_special_tokens=False)
                                          ["input_ids"])]  # the template's head, before serving
     app.state.scheduler.close()  # uvicorn did not run the app's shutdown

@@ -73,8 +73,8 @@ def test_a_tenant_reuses_its_own_chunks_and_never_anothers(client, engine, keys)
     named = ask(client, engine, keys["b"], DOCS[:2], turborag_chunks=DOCS[:2])["turborag"]
     assert named["cache_hits"] == 2
     a_view, b_view = engine.namespaced("acme"), engine.namespaced("globex")
-    assert a_view.chunk_key(DOCS[0]) != b_view.chunk_key(DOCS[0])
-    assert b_view.store.contains(b_view.chunk_key(DOCS[0]))
+    assert a_view.library.chunk_key(DOCS[0]) != b_view.library.chunk_key(DOCS[0])
+    assert b_view.store.contains(b_view.library.chunk_key(DOCS[0]))
 
 
 def test_public_chunks_are_shared_on_request_only(client, engine, keys):
@@ -82,7 +82,7 @@ def test_public_chunks_are_shared_on_request_only(client, engine, keys):
     for key in (keys["a"], keys["b"]):
         assert ask(client, engine, key, DOCS[2:3])["turborag"]["cache_hits"] == 1
     assert not engine.namespaced("acme").store.contains(
-        engine.namespaced("acme").chunk_key(DOCS[2]))
+        engine.namespaced("acme").library.chunk_key(DOCS[2]))
 
 
 def test_a_cache_salt_splits_a_tenants_cache(client, engine, keys):
@@ -105,7 +105,7 @@ def test_a_salted_request_reuses_its_tenants_chunks_and_keeps_its_own_heads(clie
     assert plain["cache_hits"] == salted["cache_hits"] == 2
     assert ask(client, engine, keys["b"], texts, cache_salt="u1")["turborag"]["cache_hits"] == 0
     tenant, split = engine.namespaced("acme"), engine.namespaced("acme/u1")
-    assert not split.store.contains(split.chunk_key(texts[0]))  # read from the tenant's store
+    assert not split.store.contains(split.library.chunk_key(texts[0]))  # read from the tenant's store
     heads = set(split.store.keys())
     assert heads and not heads & set(tenant.store.keys())
 

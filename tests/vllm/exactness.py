@@ -69,7 +69,7 @@ def main(model_dir: str, out_path: str) -> None:
     def hf(prompt: str, chunks: list[str]) -> dict:
         turbo = engine.generate(prompt, chunks=chunks, config=config, encode_missing=True)
         naive = engine.generate(prompt, config=config, mode="naive")
-        segments, _, _ = engine.segments(prompt, chunks)
+        segments, _, _ = engine.assembly.segments(prompt, chunks)
         plan = plan_prompt(segments, engine.tokenizer)
         whole = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return {"ids": plan.token_ids, "turbo": turbo.token_ids, "naive": naive.token_ids,
@@ -89,7 +89,7 @@ def main(model_dir: str, out_path: str) -> None:
     lead_engine.encode_chunks(CHUNKS[:3])
     p_lead = LEAD_HEAD + "".join(CHUNKS[:3]) + question("Who completed the Varnholt bridge, and when?")
     lead_turbo = lead_engine.generate(p_lead, chunks=CHUNKS[:3], config=config)
-    lead_plan = plan_prompt(lead_engine.segments(p_lead, CHUNKS[:3])[0], engine.tokenizer)
+    lead_plan = plan_prompt(lead_engine.assembly.segments(p_lead, CHUNKS[:3])[0], engine.tokenizer)
     ref["lead"] = {"ids": lead_plan.token_ids, "turbo": lead_turbo.token_ids,
                    "reused": lead_turbo.stats.reused_tokens,
                    "hf_lead": bool(lead_turbo.stats.extra.get("lead_blob")),
@@ -99,20 +99,20 @@ def main(model_dir: str, out_path: str) -> None:
     # separator between two chunks from its stored blob
     sep_chunks = SEPARATED
     engine.encode_chunks(sep_chunks)
-    engine.encode_separators()  # as the connector does when it starts
+    engine.library.encode_separators()  # as the connector does when it starts
     p_sep = HEAD + "\n\n".join(sep_chunks) + "\n\n" + question("Who discovered the comet, and when?")
-    sep_segments, _, _ = engine.segments(p_sep, sep_chunks)
+    sep_segments, _, _ = engine.assembly.segments(p_sep, sep_chunks)
     sep_plan = plan_prompt(sep_segments, engine.tokenizer)
     ref["separated"] = {
         "ids": sep_plan.token_ids,
         "turbo": engine.generate(p_sep, chunks=sep_chunks, config=config).token_ids,
         "same_ids": engine.tokenizer(p_sep, add_special_tokens=False)["input_ids"]
         == sep_plan.token_ids,
-        "separator_stored": all(engine.store.contains(k) for k in engine.encode_separators())
+        "separator_stored": all(engine.store.contains(k) for k in engine.library.encode_separators())
         and sum(s.cached and s.text == "\n\n" for s in sep_segments) == len(sep_chunks) - 1}
     # (i): the causal KV of a full prefill of all but the last token, as one plain blob
     causal_ids = engine.tokenizer(p_causal, add_special_tokens=False)["input_ids"]
-    [causal_blob] = engine.prefix_encoder.encode_ids([causal_ids[:-1]])
+    [causal_blob] = engine.library.prefix_encoder.encode_ids([causal_ids[:-1]])
     engine.store.put(causal_blob, kind="prefix")
 
     from vllm import LLM, SamplingParams
@@ -203,13 +203,13 @@ def main(model_dir: str, out_path: str) -> None:
                          "claimable": len(causal_ids) - 1}
     # (iv) a blob gone since it was indexed: the claim stops before it
     d = ref["deleted"]
-    second = engine.chunk_key(CHUNKS[2])
+    second = engine.library.chunk_key(CHUNKS[2])
     engine.store.delete(second)
     results["deleted"] = {**run(d["ids"], "turborag"), "hf_turbo": d["turbo"]}
     # (iv) a blob unreadable at load time (one the worker has not read yet): vLLM recomputes
     # its blocks
     c = ref["corrupt"]
-    path = Path(engine.store.disk.path(engine.chunk_key(CHUNKS[3])))
+    path = Path(engine.store.disk.path(engine.library.chunk_key(CHUNKS[3])))
     raw = path.read_bytes()
     path.write_bytes(raw[: len(raw) // 2])
     results["corrupt"] = {**run(c["ids"], "turborag"), "hf_turbo": c["turbo"]}

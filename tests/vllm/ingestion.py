@@ -94,7 +94,7 @@ def main(model_dir: str, out_path: str) -> None:
         return [{**((o.kv_transfer_params or {}).get("turborag") or {}).get("ingest", {}),
                  "cached_tokens": o.num_cached_tokens or 0} for o in outs]
 
-    anchor = len(engine.encoder.anchor_ids)
+    anchor = len(engine.library.encoder.anchor_ids)
     batch = [(ids, ingest_params()) for ids in prompts]
     batch.append((prompts[0], ingest_params("acme", "doc-1")))  # a tenant's, with its document
     batch.append((prompts[1][anchor:], ingest_params()))  # no anchor: refused
@@ -107,12 +107,12 @@ def main(model_dir: str, out_path: str) -> None:
     # encoded it alone, at query time; the ingestion after its context replaces that blob
     from_vllm = TurboRAGEngine(engine.loaded, store=vllm_store, encoder=None, progress=False,
                                context_tokens=CONTEXT_TOKENS, recovery="none")
-    from_vllm.prepare_chunks([AFTER])
-    results["alone_base_position"] = from_vllm.blob_for(AFTER).base_position
+    from_vllm.library.prepare_chunks([AFTER])
+    results["alone_base_position"] = from_vllm.library.blob_for(AFTER).base_position
     context = context_token_ids(engine.tokenizer, CHUNKS[0], CONTEXT_TOKENS)
     results["context_len"] = len(context)
     results["context_ingested"] = ingest([(
-        engine.encoder.anchor_ids + context + engine.encoder.tokenize(AFTER),
+        engine.library.encoder.anchor_ids + context + engine.library.encoder.tokenize(AFTER),
         ingest_params(context_len=len(context)))])[0]
 
     # a lead blob: the first chunk right after HEAD (in a namespace of its own, so that the
@@ -120,7 +120,7 @@ def main(model_dir: str, out_path: str) -> None:
     from turborag_integrations.core.library import head_ids
 
     lead_head = head_ids(engine.tokenizer, HEAD)
-    results["lead_ingested"] = ingest([(lead_head + engine.encoder.tokenize(CHUNKS[0]),
+    results["lead_ingested"] = ingest([(lead_head + engine.library.encoder.tokenize(CHUNKS[0]),
                                         ingest_params("leads", head_len=len(lead_head)))])[0]
 
     # the HF engine's ChunkEncoder, same model, dtype and encoding, into its own store
@@ -146,13 +146,13 @@ def main(model_dir: str, out_path: str) -> None:
     results["compare"] = compare[:len(texts)]
     results["context_compare"] = compare[len(texts)]
     # what a wrong encoding would differ by: the first chunk's values encoded with no anchor
-    [plain] = engine.prefix_encoder.encode_ids([engine.encoder.tokenize(texts[0])])
+    [plain] = engine.library.prefix_encoder.encode_ids([engine.library.encoder.tokenize(texts[0])])
     results["values_max_abs_without_anchor"] = float(
         (plain.values - engine.store.get(hf_keys[0], fp).values).abs().max())
     results["hf_keys"] = hf_keys[:len(texts)]
     results["context_hf_key"] = hf_keys[-1]
     results["anchor_len"] = anchor
-    results["tenant_hf_key"] = engine.namespaced("acme").chunk_key(texts[0])
+    results["tenant_hf_key"] = engine.namespaced("acme").library.chunk_key(texts[0])
     results["tenant_stored"] = made.namespace("acme").contains(results["tenant_hf_key"])
     results["tenant_doc_keys"] = made.namespace("acme").disk.keys_of_doc("doc-1")
 
@@ -177,7 +177,7 @@ def main(model_dir: str, out_path: str) -> None:
         prompt = HEAD + "".join(chunks) + question(q)
         hf = engine.generate(prompt, chunks=chunks, config=config)
         ours = from_vllm.generate(prompt, chunks=chunks, config=config)
-        segments, _, _ = engine.segments(prompt, chunks)
+        segments, _, _ = engine.assembly.segments(prompt, chunks)
         ids = plan_prompt(segments, engine.tokenizer).token_ids
         out = llm.generate([{"prompt_token_ids": ids, "cache_salt": "turborag"}],
                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
@@ -196,7 +196,7 @@ def main(model_dir: str, out_path: str) -> None:
                           encoder=None, progress=False, context_tokens=CONTEXT_TOKENS,
                           prompt_heads=[HEAD], recovery="none")
     told.encode_chunks(CHUNKS[:1])
-    [theirs] = [b for b in map(told.store.get, told.store.keys()) if told.is_lead(b)]
+    [theirs] = [b for b in map(told.store.get, told.store.keys()) if told.library.is_lead(b)]
     space = made.namespace("leads")
     key = space.key(theirs.fingerprint, theirs.token_ids.tolist())  # the HF blob's, in "leads"
     ours = space.get(key, theirs.fingerprint)

@@ -75,7 +75,7 @@ def model_free(model_dir: str, store: str) -> dict:
     second = connector(model_dir, store).connector_scheduler
     out["second_loaded_at_start"] = second.setup.loaded
     out["same_fingerprints"] = (second.chunk_fp == engine.fingerprint
-                                and second.prefix_fp == engine.prefix_fingerprint)
+                                and second.prefix_fp == engine.library.prefix_fingerprint)
     out["second_claim"] = second.get_num_new_matched_tokens(request(seen, "turborag"), 0)
     out["second_loaded_after_stored_head"] = second.setup.loaded
     new_head = prompt_ids(engine.tokenizer, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")

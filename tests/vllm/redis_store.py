@@ -39,9 +39,9 @@ def main(model_dir: str, url: str, out_path: str) -> None:
     prompt = HEAD + "".join(chunks) + question("Who completed the Varnholt bridge, and when?")
     turbo = engine.generate(prompt, chunks=chunks,
                             config=GenerationConfig(max_new_tokens=NEW_TOKENS))
-    segments, _, _ = engine.segments(prompt, chunks)
+    segments, _, _ = engine.assembly.segments(prompt, chunks)
     ids = plan_prompt(segments, engine.tokenizer).token_ids
-    keys = [engine.chunk_key(c) for c in chunks]
+    keys = [engine.library.chunk_key(c) for c in chunks]
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

@@ -77,13 +77,13 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
     engine.encode_chunks(CHUNKS)
     turbo = engine.generate(PROMPT, chunks=CHUNKS, config=config)
     naive = engine.generate(PROMPT, config=config, mode="naive")
-    segments, _, _ = engine.segments(PROMPT, CHUNKS)
+    segments, _, _ = engine.assembly.segments(PROMPT, CHUNKS)
     plan = plan_prompt(segments, engine.tokenizer)
     results: dict = {"hf": {"turbo": turbo.token_ids, "naive": naive.token_ids,
                             "reused": turbo.stats.reused_tokens,
                             "same_ids": engine.tokenizer(PROMPT, add_special_tokens=False)[
                                 "input_ids"] == plan.token_ids,
-                            "kv_heads": int(engine.store.get(engine.chunk_key(CHUNKS[0]))
+                            "kv_heads": int(engine.store.get(engine.library.chunk_key(CHUNKS[0]))
                                             .keys.shape[1])}}
 
     from vllm import LLM, SamplingParams
@@ -123,8 +123,8 @@ def main(tokenizer_dir: str, work: str, out_path: str) -> None:
     made = KVStore(str(store), remote_url="", memory_bytes=0).namespace("acme")
     compare = []
     for text in CHUNKS:
-        theirs = engine.store.get(engine.chunk_key(text), engine.fingerprint)
-        ours = made.get(engine.namespaced("acme").chunk_key(text), engine.fingerprint)
+        theirs = engine.store.get(engine.library.chunk_key(text), engine.fingerprint)
+        ours = made.get(engine.namespaced("acme").library.chunk_key(text), engine.fingerprint)
         compare.append({"found": ours is not None,
                         "shape": ours is not None and ours.keys.shape == theirs.keys.shape,
                         "keys_max_abs": None if ours is None else

@@ -56,7 +56,7 @@ def stored(model_dir, tmp_path_factory):
     engine = first.setup.engine
     keys = engine.encode_chunks(CHUNKS)
     head = engine.tokenizer("Context:\n", add_special_tokens=False)["input_ids"]
-    chunks = [engine.encoder.tokenize(text) for text in CHUNKS]
+    chunks = [engine.library.encoder.tokenize(text) for text in CHUNKS]
     question = engine.tokenizer("Question: when?", add_special_tokens=False)["input_ids"]
     return SimpleNamespace(store=store, engine=engine, keys=keys, head=head, chunks=chunks,
                            ids=head + chunks[0] + chunks[1] + question)
@@ -124,8 +124,8 @@ def test_an_ingestion_request_is_planned_sent_once_its_prompt_is_complete_and_an
     meta = side.build_connector_meta(SimpleNamespace(
         scheduled_new_reqs=[], scheduled_cached_reqs=cached,
         num_scheduled_tokens={"i": len(ids) - BLOCK}))
-    anchor = len(stored.engine.encoder.anchor_ids)
-    plan = IngestPlan(tuple(stored.engine.encoder.tokenize(text)), anchor, "", None)
+    anchor = len(stored.engine.library.encoder.anchor_ids)
+    plan = IngestPlan(tuple(stored.engine.library.encoder.tokenize(text)), anchor, "", None)
     assert meta.saves == [SaveRequest("i", plan, [3, 8, 1])] and meta.loads == []
     key = KVStore(stored.store).key(side.chunk_fp, plan.chunk_ids)
     # the worker stored nothing here: the answer says so
@@ -232,7 +232,7 @@ def test_a_blob_the_worker_cannot_find_is_reported_as_its_blocks(model_dir, stor
     missing = ClaimedSpan("0" * 40, 0, 2 * BLOCK + 3, False)
     meta = TurboRAGConnectorMetadata([LoadRequest("r", [missing], 0, [5, 8, 2, 7])],
                                      chunk_fp=engine.fingerprint,
-                                     prefix_fp=engine.prefix_fingerprint)
+                                     prefix_fp=engine.library.prefix_fingerprint)
     worker.start_load_kv(meta, forward(layers))
     assert worker.get_block_ids_with_load_errors() == {5, 8, 2}
     assert worker.get_block_ids_with_load_errors() == set()  # handed to vLLM once
@@ -245,7 +245,7 @@ def test_the_save_role_reads_a_chunk_back_off_the_cache_as_the_blob_it_was(model
     """A chunk blob loaded where its ingestion prompt puts it (after the anchor, unrotated) and
     read back off the cache by the save role is stored as that same blob, under its key."""
     engine = stored.engine
-    anchor = engine.encoder.anchor_ids
+    anchor = engine.library.encoder.anchor_ids
     blob = KVStore(stored.store).get(stored.keys[0], engine.fingerprint)
     assert blob.base_position == len(anchor) > 0
     blocks = [6, 2, 9, 4, 11, 0, 8, 3, 10, 1, 7, 5][:-(-(len(anchor) + blob.num_tokens) // BLOCK)]
@@ -254,7 +254,7 @@ def test_the_save_role_reads_a_chunk_back_off_the_cache_as_the_blob_it_was(model
     meta = TurboRAGConnectorMetadata([LoadRequest("r", [span], len(anchor), blocks)],
                                      [SaveRequest("i", plan, blocks)],
                                      chunk_fp=engine.fingerprint,
-                                     prefix_fp=engine.prefix_fingerprint)
+                                     prefix_fp=engine.library.prefix_fingerprint)
     layers = attention_layers(model_dir)
     worker_for(model_dir, stored.store, layers).start_load_kv(meta, forward(layers))
     made = KVStore(tmp_path / "made")

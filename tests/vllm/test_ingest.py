@@ -209,7 +209,7 @@ def test_a_lead_blob_is_planned_as_the_engine_encodes_it(encoder, tmp_path):
                             prompt_heads=[HEAD], progress=False)
     engine.encode_chunks([TEXT])
     [lead] = [engine.store.get(k) for k in engine.store.keys()
-              if engine.is_lead(engine.store.get(k))]
+              if engine.library.is_lead(engine.store.get(k))]
     assert lead.fingerprint.encoding == plan.lead and lead.base_position == plan.anchor_len
     assert engine.store.key(engine.fingerprint.with_encoding(plan.lead), chunk) == lead.key
     for params, prompt, message in (

@@ -11,9 +11,9 @@
 - retrieval/: chunking, embeddings, cosine search, document order (RAPID's own retrieval, the CLI)
 - models, checkpoint: loading a model (device, dtype) with its fingerprint
 - store/: where blobs live (memory, disk, Redis tiers behind one contract; budget, eviction)
-- engine, library, request, run, registry, batching, batch_worker, scheduled, async_iter,
-  prompt_template: TurboRAGEngine and its chunk library, a request and its one prefill, a
-  streamed generation, and the batch scheduler that serves many
+- engine, library, assembly, request, run, registry, batching, batch_worker, scheduled,
+  async_iter, prompt_template: TurboRAGEngine, the chunk library and prompt assembly it has, a
+  request and its one prefill, a streamed generation, and the batch scheduler that serves many
 - rapid/: RAPID — speculation rounds, and the facade over two engines
 
 docs/concepts.md#architecture draws it.

@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .config import EngineConfig
 from .decode.loop import decode_loop, eos_token_ids, now
 from .decode.selfspec import DraftStats
 from .decode.start import DecodeStart
-from .kv.blob import KVBlob, fingerprint_model
+from .kv.blob import Fingerprint, fingerprint_model
 from .kv.cache import CachePool
+from .assembly import PromptAssembly
 from .library import ChunkLibrary
 from .models import LoadedModel, load_model
-from .prefill.anchor import (CONTEXT_MARKER, VALUE_MARKER, anchor_ids,
-                             anchor_text)
+from .prefill.anchor import anchor_ids, anchor_text
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.encoding import resolve_encoder
-from .prefill.recovery import (NO_RECOVERY, Recovery, SparingExact,
-                               parse_recovery, without_first)
-from .prefill.reorder import question_last, user_turn_opener
+from .prefill.recovery import Recovery
 from .prefill.rope import KeyRotator
-from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
 from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
 from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
@@ -40,9 +37,10 @@ __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "Generation
            "GenerationStream", "MODES"]
 
 
-class TurboRAGEngine(ChunkLibrary):
-    """A model that answers prompts over stored chunk blobs; it is the chunk library those
-    blobs are ingested into and found in (core/library.py)."""
+class TurboRAGEngine:
+    """A model that answers prompts over stored chunk blobs. It has the chunk library those
+    blobs are ingested into and found in (`library`, core/library.py) and the assembly that
+    turns a prompt into stitched segments (`assembly`, core/assembly.py)."""
 
     # Namespace views kept at once (`namespaced`): a view is a shallow copy, a few kB.
     MAX_VIEWS = 1024
@@ -74,7 +72,6 @@ class TurboRAGEngine(ChunkLibrary):
             model, self.config.model)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
-        self.user_opener = user_turn_opener(self.tokenizer)
         model_fp = fingerprint_model(self.model, self.tokenizer, self.loaded.name)
         self.rotator = KeyRotator.for_model(self.model)
         self.anchor_text = anchor_text(self.anchor, self.tokenizer)
@@ -90,15 +87,30 @@ class TurboRAGEngine(ChunkLibrary):
         self._views: RecentlyUsed[tuple[str, tuple[str, ...]], TurboRAGEngine] = RecentlyUsed(
             self.MAX_VIEWS)
         self._views_lock = threading.Lock()
-        ChunkLibrary.__init__(
-            self,
+        self.library = ChunkLibrary(
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=encoding.batch_size,
                          anchor_ids=anchor_ids(self.anchor, self.tokenizer), learned=self.learned,
                          context_tokens=encoding.context_tokens),
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=encoding.batch_size),
             root_store.namespace(namespace))
+        self.assembly = PromptAssembly(self.library, self.tokenizer, self.config.query)
         for head in encoding.prompt_heads:
-            self.add_prompt_head(head)
+            self.library.add_prompt_head(head)
+
+    # What adapters and entry points read of the library most, named on the engine itself.
+    @property
+    def store(self) -> KVStore:
+        """The store of this engine's namespace."""
+        return self.library.store
+
+    @property
+    def namespace(self) -> str:
+        return self.library.namespace
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """The fingerprint of this engine's chunk blobs (model, anchor, encoding)."""
+        return self.library.fingerprint
 
     @property
     def anchor(self) -> str:
@@ -129,7 +141,9 @@ class TurboRAGEngine(ChunkLibrary):
         def view() -> TurboRAGEngine:
             made = copy.copy(root)
             made._root, made._owns_store = root, False
-            made._bind(root.store.namespace(name), others, root._keys)
+            made.library = root.library.view(root.store.namespace(name),
+                                             tuple(o.library for o in others))
+            made.assembly = root.assembly.over(made.library)
             return made
 
         with root._views_lock:
@@ -151,10 +165,10 @@ class TurboRAGEngine(ChunkLibrary):
         separators between chunks, so that the first timed call pays for neither lazy
         initialisation nor the first cache buffer."""
         if self.config.query.separators:
-            self._separator_blobs()
+            self.library.separator_blobs()
         self.generate("Hello", config=GenerationConfig(max_new_tokens=2), mode="naive")
         text = "A short passage used to warm up the stitched path."
-        blob = self.encoder.encode(text)
+        blob = self.library.encoder.encode(text)
         pre = self.prefill([Segment(text, blob), Segment(" Why?")], reserve=2)
         self.cache_pool.release(pre.cache)
 
@@ -162,130 +176,30 @@ class TurboRAGEngine(ChunkLibrary):
     def context_window(self) -> int:
         return self.loaded.context_window
 
-    # ---- prompts ----------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat, through the model's own chat template."""
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-        # No template (base models): plain "role: content" lines.
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+    # ---- ingestion ---------------------------------------------------------------------------
+    def encode_chunks(self, texts: Sequence[str], *, doc_ids: Sequence[str | None] | None = None,
+                      contexts: Sequence[str | None] | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Encode and store the blobs of chunk `texts` (those not stored yet); return their
+        keys. `doc_ids`: each chunk's document, which `forget_document` deletes it with;
+        `contexts`: each chunk's text before it in its document, for context encoding;
+        `progress(done, total)`. See `ChunkLibrary.encode_chunks`."""
+        return self.library.encode_chunks(texts, doc_ids=doc_ids, contexts=contexts,
+                                          progress=progress)
 
-    def segments(self, prompt: str, chunks: Iterable[str] = (), *,
-                 encode_missing: bool = False) -> tuple[list[Segment], int, int]:
-        """Split `prompt` around the chunk texts it contains and attach their blobs (no chunks:
-        the prompt whole, as a full prefill reads it).
-
-        Returns (segments, cache_hits, cache_misses). A chunk without a blob, or whose text the
-        prompt does not contain verbatim, is simply prefilled with the rest.
-        """
-        chunks = [c for c in dict.fromkeys(chunks) if c and c.strip()]
-        if not chunks:
-            return [Segment(prompt)], 0, 0
-        if self.config.query.question_last:
-            prompt = question_last(prompt, chunks, self.user_opener)
-        pending = {}
-        if self.config.query.prefetch:
-            # Read all blobs concurrently (threads release the GIL in file I/O) instead of one
-            # after another; the first wait below overlaps with the remaining reads.
-            keys = {text: self.chunk_key(text) for text in chunks if text in prompt}
-            futures = self.store.prefetch(list(keys.values()), self.fingerprint)
-            pending = {text: f for text, f in zip(keys, futures)}
-        blobs: dict[str, KVBlob | None] = {}
-
-        def blob_of(text: str) -> KVBlob | None:
-            if text not in blobs:
-                blob = pending[text].result() if text in pending else None
-                blobs[text] = blob if blob is not None else self.blob_for(
-                    text, encode_missing=encode_missing)
-            return blobs[text]
-
-        tokens = tokenize_with_starts(self.tokenizer, prompt)
-        if tokens is None:  # no token offsets: each piece is tokenized alone
-            pieces = [Piece(text, None, text if is_chunk else None)  # type: ignore[arg-type]
-                      for text, is_chunk in split_prompt(prompt, chunks)]
-        else:
-            pieces = token_pieces(prompt, *tokens, chunks, lambda text: (
-                None if (b := blob_of(text)) is None else b.token_ids.tolist()))
-        lead = self._lead_head(pieces)
-        found = set()
-        segments = []
-        for i, piece in enumerate(pieces):
-            if piece.chunk is not None:
-                blob = blob_of(piece.chunk)
-                if blob is None:
-                    segments.append(Segment(piece.text))
-                    continue
-                if i == 1 and lead is not None:
-                    # the first chunk right after a known prompt head: its lead blob is the
-                    # full prefill's KV (core/library.py)
-                    blob = self.lead_blob(piece.chunk, lead) or blob
-                found.add(piece.chunk)
-                # the chunk's tail may merge with the text after it: its leading tokens only
-                segments.append(Segment(piece.text, blob if piece.ids is None
-                                        else blob.head(len(piece.ids))))
-            elif i == 0 and self.config.query.cache_prefix and any(p.chunk for p in pieces[1:]) \
-                    and not any(c in piece.text for c in chunks):
-                # The text before the first chunk (system prompt, template head) sees only
-                # itself, exactly like a chunk at position 0: caching it is exact, and it is the
-                # same for every query of an app (not so when it holds a retrieved chunk that
-                # has no blob: that text is prefilled with the question instead).
-                segments.append(Segment(piece.text, self.prefix_blob(piece.text, ids=piece.ids)))
-            else:
-                separators = self._separator_blobs() if self.config.query.separators else {}
-                if is_separator(pieces, i, separators):  # "\n\n" between two chunks
-                    segments.append(Segment(piece.text, separators[tuple(piece.ids)]))
-                else:
-                    segments.append(Segment(piece.text, ids=piece.ids))
-        return segments, len(found), len(chunks) - len(found)
-
-    def _lead_head(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
-        """The ids of the prompt head before the first chunk when lead blobs are encoded after
-        it (`add_prompt_head`), else None."""
-        if not self._leads or len(pieces) < 2 or pieces[0].chunk is not None \
-                or pieces[1].chunk is None:
-            return None
-        head = pieces[0]
-        ids = tuple(head.ids if head.ids is not None
-                    else self.tokenizer(head.text, add_special_tokens=False)["input_ids"])
-        return ids if ids in self._leads else None
-
-    def is_lead(self, blob: KVBlob | None) -> bool:
-        """Whether `blob` is a lead blob (a chunk encoded right after a prompt head)."""
-        return blob is not None and any(blob.fingerprint.encoding == e.fingerprint.encoding
-                                        for e in self._leads.values())
-
-    def prompt_head(self, rendered: str, marker: str = CONTEXT_MARKER, *,
-                    varying: str = VALUE_MARKER) -> str:
-        """The text a prompt has before its first chunk, from its template rendered with
-        `marker` where the chunks go and `varying` for every other variable (as this engine
-        stitches it: with `question_last`, a question-first turn puts the chunks right after
-        the turn's opener). A head that holds a variable changes with every query: refused."""
-        head, found, _ = rendered.partition(marker)
-        if not found:
-            raise ValueError(f"the rendered prompt does not hold the context marker {marker!r}: "
-                             "render the template with the marker as its context")
-        if self.config.query.question_last:  # as prefill/reorder.py's question_last turns the prompt
-            opener = self.user_opener
-            cut = head.rfind(opener) + len(opener) if opener and opener in head else 0
-            if head[cut:].strip():  # the user's text before the chunks goes after them
-                head = head[:cut]
-        if varying and varying in head:
-            raise ValueError(
-                "the template puts a variable (the question) before the context, so the text "
-                "before the chunks changes with every query and no blob can be made for it; "
-                "put the context first, or use an engine with question_last=True")
-        return head
+    def forget_document(self, doc_id: str) -> list[str]:
+        """Drop a document's claim on its blobs; delete those no other document uses.
+        Returns the deleted keys."""
+        return self.library.store.delete_doc(doc_id)
 
     def add_prompt(self, rendered: str) -> str:
         """Encode chunks also after the head of a template rendered with CONTEXT_MARKER for its
-        chunks and VALUE_MARKER for its other variables (`prompt_head`), from the next
-        ingestion on; returns that head ("" where the chunks start the prompt: nothing to add).
-        The adapters' `add_prompt` render their templates and call this."""
-        head = self.prompt_head(rendered)
+        chunks and VALUE_MARKER for its other variables (`PromptAssembly.prompt_head`), from
+        the next ingestion on; returns that head ("" where the chunks start the prompt: nothing
+        to add). The adapters' `add_prompt` render their templates and call this."""
+        head = self.assembly.prompt_head(rendered)
         if head:
-            self.add_prompt_head(head)
+            self.library.add_prompt_head(head)
         return head
 
     # ---- generation -------------------------------------------------------------------------
@@ -298,21 +212,8 @@ class TurboRAGEngine(ChunkLibrary):
         # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,
         # so decoding writes fewer; drafts stay within the new tokens).
         return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room),
-                       pool=self.cache_pool, recovery=self.recovery_for(segments, recovery))
-
-    def recovery_for(self, segments: Sequence[Segment], recovery=None) -> Recovery:
-        """The recovery that `prefill` runs for `segments`: `recovery` parsed (None: the
-        engine's), and where the first chunk is a lead blob (exact already), less its
-        first-chunk part, the other parts sparing that chunk's tokens."""
-        recovery = parse_recovery(recovery)
-        if recovery is None:
-            recovery = self.recovery
-        if isinstance(recovery, SparingExact):  # resolved already (`start`)
-            return recovery
-        if recovery is not NO_RECOVERY and any(self.is_lead(s.blob) for s in segments):
-            rest = without_first(recovery)
-            return rest if rest is NO_RECOVERY else SparingExact(rest, self.is_lead)
-        return recovery
+                       pool=self.cache_pool,
+                       recovery=self.assembly.recovery_for(segments, recovery))
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
@@ -344,8 +245,8 @@ class TurboRAGEngine(ChunkLibrary):
         config, mode, prompt = request.config, request.mode, request.prompt
         t0 = now()
         if isinstance(prompt, str) and mode == "turbo":
-            segments, hits, misses = self.segments(prompt, request.chunks,
-                                                   encode_missing=request.encode_missing)
+            segments, hits, misses = self.assembly.segments(
+                prompt, request.chunks, encode_missing=request.encode_missing)
         elif isinstance(prompt, str):
             segments, hits, misses = [Segment(prompt)], 0, 0
         elif mode == "turbo":
@@ -356,7 +257,7 @@ class TurboRAGEngine(ChunkLibrary):
         t_loaded = now()
         reserve = reserve_slots(config.max_new_tokens,
                                 config.draft_tokens + 1 if config.draft else 0)
-        recovery = self.recovery_for(segments, request.recovery)  # once, for prefill and stats
+        recovery = self.assembly.recovery_for(segments, request.recovery)  # once, for both
         pre = self.prefill(segments, reserve=reserve, recovery=recovery)
         plan = pre.plan
         stats = stats if stats is not None else GenerationStats(mode=mode)
@@ -366,7 +267,7 @@ class TurboRAGEngine(ChunkLibrary):
         stats.prompt_tokens = len(plan.token_ids)
         stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
         stats.cache_hits, stats.cache_misses = hits, misses
-        if mode == "turbo" and self._leads and any(self.is_lead(s.blob) for s in segments):
+        if mode == "turbo" and any(self.library.is_lead(s.blob) for s in segments):
             stats.extra["lead_blob"] = True  # the first chunk is the full prefill's KV
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question

@@ -13,12 +13,13 @@ once more after each of them, at ingestion, and a prompt whose first chunk follo
 stitches that lead blob: the first chunk exact, at no query-time cost. The other chunks keep
 their usual blobs.
 
-`TurboRAGEngine` (core/engine.py) is a ChunkLibrary with a model to answer with; the library
-needs only the two chunk encoders and a store.
+`TurboRAGEngine` (core/engine.py) has one (`engine.library`); the library needs only the two
+chunk encoders and a store.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from typing import Callable, Sequence
@@ -84,7 +85,7 @@ class ChunkLibrary:
     `encoder` encodes chunks (after the anchor, with the learned encoding if any);
     `prefix_encoder` encodes prompt heads plain, at 0..n−1, as a full prefill does. A view in
     another namespace (`TurboRAGEngine.namespaced`) shares the encoders and the separators of
-    its root and binds its own store (`_bind`).
+    its root and binds its own store (`view`).
     """
 
     def __init__(self, encoder: ChunkEncoder, prefix_encoder: ChunkEncoder, store: KVStore,
@@ -99,9 +100,18 @@ class ChunkLibrary:
         self._leads: dict[tuple[int, ...], ChunkEncoder] = {}
         self._bind(store, shared)
 
+    def view(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]" = ()) -> "ChunkLibrary":
+        """This library in another namespace's `store`, reading the `shared` libraries too:
+        the same encoders, prompt heads, separators and key cache (a shallow copy)."""
+        root = getattr(self, "_root", self)
+        made = copy.copy(root)
+        made._root = root
+        made._bind(store, shared, root._keys)
+        return made
+
     def _bind(self, store: KVStore, shared: "tuple[ChunkLibrary, ...]",
               keys: KeyCache | None = None) -> None:
-        """Point this engine (or a view of it, with its root's `keys`) at one namespace's store."""
+        """Point this library (or a view of it, with its root's `keys`) at one namespace's store."""
         self.store = store
         self.namespace = store.namespace_name
         self._shared = shared
@@ -244,6 +254,11 @@ class ChunkLibrary:
         """The token ids of the prompt heads chunks are also encoded after."""
         return list(self._leads)
 
+    def is_lead(self, blob: KVBlob | None) -> bool:
+        """Whether `blob` is a lead blob (a chunk encoded right after a prompt head)."""
+        return blob is not None and any(blob.fingerprint.encoding == e.fingerprint.encoding
+                                        for e in self._leads.values())
+
     def lead_blob(self, text: str, head_ids: Sequence[int]) -> KVBlob | None:
         """The blob of chunk `text` encoded right after the prompt head `head_ids`, encoded and
         kept now if it is missing; None if that head was never added."""
@@ -279,7 +294,7 @@ class ChunkLibrary:
         first chunk (core/prefill/separators.py); this engine stitches them from memory."""
         if self._separator_keys is None:
             keys = []
-            for ids, blob in self._separator_blobs().items():
+            for ids, blob in self.separator_blobs().items():
                 keys.append(self.store.key(self.fingerprint, ids))
                 if not self.store.contains(keys[-1]):
                     self.keep(blob)
@@ -320,11 +335,6 @@ class ChunkLibrary:
                 for i in missing:
                     self.store.get(keys[i], self.fingerprint)
         return keys
-
-    def forget_document(self, doc_id: str) -> list[str]:
-        """Drop a document's claim on its blobs; delete those no other document uses.
-        Returns the deleted keys."""
-        return self.store.delete_doc(doc_id)
 
     def blob_for(self, text: str, *, encode_missing: bool = False) -> KVBlob | None:
         """The (anchored) blob of a chunk text; None if not stored (and not encoded)."""
@@ -376,7 +386,7 @@ class ChunkLibrary:
             log.warning("KV blob %s not stored, the answer goes on without caching it: %s",
                         blob.key[:12], exc)
 
-    def _separator_blobs(self) -> dict[tuple[int, ...], KVBlob]:
+    def separator_blobs(self) -> dict[tuple[int, ...], KVBlob]:
         """The stock separators' blobs by their token ids, encoded like chunks once per model
         (core/prefill/separators.py); kept in memory, the same for every namespace."""
         root = getattr(self, "_root", self)

@@ -19,12 +19,23 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
 
 CONTEXT_FIELD = "context"
 Template = str | list[dict]
+
+
+def render_chat(tokenizer, messages: Sequence[dict], *,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of a chat, through the model's own chat template (`tokenizer`'s)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    # No template (base models): plain "role: content" lines.
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
 
 
 def read_prompt_template(path: str | Path) -> Template:
@@ -54,15 +65,14 @@ def read_prompt_template(path: str | Path) -> Template:
     return template
 
 
-def render_prompt_template(template: Template, render_chat: Callable[[Sequence[dict]], str]
-                           ) -> str:
+def render_prompt_template(template: Template, tokenizer) -> str:
     """The template rendered with CONTEXT_MARKER for {context} and VALUE_MARKER for every other
-    field, chats through `render_chat` (the engine's): what `TurboRAGEngine.add_prompt` takes."""
+    field, chats through `tokenizer`'s chat template: what `TurboRAGEngine.add_prompt` takes."""
     values = _Markers()
     if isinstance(template, str):
         return string.Formatter().vformat(template, (), values)
-    return render_chat([{**m, "content": string.Formatter().vformat(m["content"], (), values)}
-                        for m in template])
+    return render_chat(tokenizer, [{**m, "content": string.Formatter().vformat(
+        m["content"], (), values)} for m in template])
 
 
 class _Markers(dict):

@@ -48,7 +48,7 @@ def reply_logits(engine, prompt, reply_ids: Sequence[int], *, chunks: Iterable[s
     if n == 0:
         raise ValueError("empty reply")
     if isinstance(prompt, str):
-        segments, _, _ = engine.segments(prompt, chunks if mode == "turbo" else ())
+        segments, _, _ = engine.assembly.segments(prompt, chunks if mode == "turbo" else ())
     else:  # ready segments
         segments = list(prompt)
     pre = engine.prefill(segments, reserve=n + 1,

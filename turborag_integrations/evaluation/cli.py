@@ -139,7 +139,7 @@ def eval_command(
     results["model"] = model or DEFAULT_MODEL
     results["anchor"] = engine.anchor
     results["encoder"] = _encoder_arg(encoder)
-    results["context_tokens"] = engine.encoder.context_tokens
+    results["context_tokens"] = engine.library.encoder.context_tokens
     results["system"] = system
     for s in results["skipped"]:
         typer.secho(f"skipped {s['id']}: {s['reason']}", fg=typer.colors.YELLOW, err=True)

@@ -185,9 +185,9 @@ def oracle_segments(engine, prompt: str, chunks: Sequence[str]) -> list:
     from ..core.kv.blob import KVBlob
     from ..core.prefill.stitch import Segment, plan_prompt
 
-    segments, _, _ = engine.segments(prompt, chunks)
+    segments, _, _ = engine.assembly.segments(prompt, chunks)
     plan = plan_prompt(segments, engine.tokenizer)
-    [whole] = engine.prefix_encoder.encode_ids([plan.token_ids])
+    [whole] = engine.library.prefix_encoder.encode_ids([plan.token_ids])
     starts = iter(span.prompt_start for span in plan.spans)
     out = []
     for seg in segments:
@@ -205,7 +205,7 @@ def _sibling(engine, anchor: str | None, encoder: str | None, head: str,
     """The engine itself, or a sibling on the same model and store with another chunk anchor,
     chunk encoder or context (one model in memory, one full-prefill reference for all)."""
     spec = engine.anchor if anchor is None else head if anchor == "head" else anchor
-    own_context = engine.encoder.context_tokens
+    own_context = engine.library.encoder.context_tokens
     context = own_context if context is None else context
     if encoder is None and context == own_context and (
             spec == engine.anchor or (anchor == "head" and engine.anchor_text == head)):
@@ -289,7 +289,7 @@ def evaluate(engine, items: Sequence[Item], modes: Iterable[str], *, max_new_tok
     for e, names in served.values():
         if chunks:  # ingestion: not part of TTFT; minutes for a larger model
             label = f"encoding chunks for {', '.join(names)}"
-            tokens = e.encoder.context_tokens
+            tokens = e.library.encoder.context_tokens
             e.encode_chunks(chunks, contexts=[text_before(before[c], c, tokens)
                                               for c in chunks], progress=(
                 (lambda done, total, label=label: progress(label, done, total))

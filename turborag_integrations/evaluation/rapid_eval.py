@@ -142,7 +142,7 @@ def run_modes(rapid, docs: Sequence[LongDocument], modes: Sequence[LongMode], *,
             skipped.append({"doc_id": doc.doc_id, "reason": str(exc)})
             continue
         # The target's context, once per document: the same key RAPID's prefix cache looks up.
-        blob = rapid.target.prefix_blob(prefix)
+        blob = rapid.target.library.prefix_blob(prefix)
         for q in doc.questions:
             chunks = rapid.drafter_context(doc.document, q.question).chunks
             found = evidence_found(q.evidence, chunks)

@@ -19,6 +19,7 @@ from langchain_core.messages import BaseMessage, ChatMessage
 from ..core.run import GenerationStream
 from .generation import TurboRAGParams
 from .streaming import StreamingChatModel
+from ..core.prompt_template import render_chat
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
 _MEDIA_BLOCKS = {"image", "image_url", "audio", "input_audio", "file", "video"}
@@ -50,7 +51,7 @@ class TurboRAGChatModel(TurboRAGParams, StreamingChatModel):
 
     def render(self, messages: list[BaseMessage]) -> str:
         """The exact prompt text the model sees (chat template applied)."""
-        return self.get_engine().render_chat(to_chat(messages))
+        return render_chat(self.get_engine().tokenizer, to_chat(messages))
 
     def render_prompt(self, value) -> str:
         return self.render(value.to_messages())

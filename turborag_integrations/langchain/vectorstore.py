@@ -225,7 +225,7 @@ class KVCachingVectorStore(VectorStore):
         doc_ids = [i or str(uuid.uuid4()) for i in (ids or [None] * len(texts))]
         self._forget_replaced(doc_ids, texts)
         keys = self._encode(texts, doc_ids, _contexts(texts, metadatas,
-                                                      self.engine.encoder.context_tokens))
+                                                      self.engine.library.encoder.context_tokens))
         fp = self.engine.fingerprint
         stamped = []
         for i, key in enumerate(keys):

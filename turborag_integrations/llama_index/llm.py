@@ -28,6 +28,7 @@ from ..core.run import GenerationResult, GenerationStream
 from ..core.shared import shared_engine
 from .base import StreamingLLM
 from .wiring import EngineBound
+from ..core.prompt_template import render_chat
 
 STATS_KEY = "turborag"
 _ROLES = {MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
@@ -168,7 +169,7 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
         """The prompt text of `messages`: a custom `messages_to_prompt`, else the chat template."""
         if self.messages_to_prompt is not generic_messages_to_prompt:
             return self.messages_to_prompt(messages)
-        return self._engine.render_chat(
+        return render_chat(self._engine.tokenizer,
             [{"role": _ROLES.get(m.role, m.role.value), "content": m.content or ""}
              for m in messages])
 

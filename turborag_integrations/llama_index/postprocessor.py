@@ -3,7 +3,7 @@
 Put it last in `node_postprocessors` (after rerankers and filters): it must see the nodes that
 really reach the prompt. Nodes ingested without `KVCachingVectorStore` (or before it existed)
 get their blob computed here, once; later queries reuse it. The blob work is the engine's
-(`engine.prepare_chunks`); this class reads the nodes' texts, warns about stale ones and
+(`engine.library.prepare_chunks`); this class reads the nodes' texts, warns about stale ones and
 registers the texts for the LLM.
 """
 
@@ -51,7 +51,7 @@ class KVCachePostprocessor(EngineBound, BaseNodePostprocessor):
         nodes_and_texts = [(n.node, llm_text(n.node)) for n in nodes]
         nodes_and_texts = [(node, text) for node, text in nodes_and_texts if text]
         texts = [text for _, text in nodes_and_texts]
-        keys = self._engine.prepare_chunks(
+        keys = self._engine.library.prepare_chunks(
             texts, doc_ids=[node.ref_doc_id for node, _ in nodes_and_texts],
             encode_missing=self.encode_missing)
         for (node, _), key in zip(nodes_and_texts, keys):

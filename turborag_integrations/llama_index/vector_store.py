@@ -163,7 +163,7 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
         it (`context_tokens`): the nodes before it along their PREVIOUS relationships (node
         parsers link a document's nodes in order), from this batch or else from the wrapped
         store, as far back as the context can hold (core/prefill/context.py)."""
-        tokens = getattr(getattr(self._engine, "encoder", None), "context_tokens", 0)
+        tokens = self._engine.library.encoder.context_tokens
         if not tokens:
             return None
         known: dict[str, Optional[BaseNode]] = {n.node_id: n for n in nodes}

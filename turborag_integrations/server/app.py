@@ -42,6 +42,7 @@ from .metrics import CONTENT_TYPE, CountRequests, Metrics
 from .responses import APIError, Reply
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from .service import Service
+from ..core.prompt_template import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         service.check(req)
         try:
-            prompt = engine.render_chat(req.chat())
+            prompt = render_chat(engine.tokenizer, req.chat())
         except Exception as exc:  # the model's template refuses some turn orders and roles
             raise APIError(400, f"the model's chat template refused these messages: {exc}",
                            param="messages") from None
@@ -208,7 +209,7 @@ def serve(model: str | None = None, *, store: str | Path | None = None,
     engine = on_own_thread(lambda: TurboRAGEngine(model, store=store, config=config))
     with engine:
         for template in prompts:  # a template the engine cannot take fails before serving
-            head = engine.add_prompt(render_prompt_template(template, engine.render_chat))
+            head = engine.add_prompt(render_prompt_template(template, engine.tokenizer))
             log.info("lead blobs after a prompt head of %d characters", len(head))
         app = create_app(engine, config=server)
         app.state.scheduler.call(engine.warmup).result()

@@ -223,7 +223,7 @@ class Service:
         yet are encoded first, in the request's namespace, on the model's thread."""
         if named:
             await asyncio.wrap_future(
-                self.scheduler.call(lambda: view.prepare_chunks(named, warm=False)))
+                self.scheduler.call(lambda: view.library.prepare_chunks(named, warm=False)))
         return await asyncio.get_running_loop().run_in_executor(
             self.lookups, self._find, prompt, named, view.namespace)
 
@@ -250,7 +250,7 @@ class Service:
 
         namespace = request_namespace(principal_of(request), req.cache_salt, req.public)
         view, finder = self.engine.namespaced(namespace), self.finder(namespace)
-        step = self.engine.encoder.batch_size
+        step = self.engine.library.encoder.batch_size
         keys, indexed = [], 0
         with Disconnection(request) as client, self._queued():
             try:

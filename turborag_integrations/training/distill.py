@@ -95,7 +95,7 @@ class _TokensOnly:
 
 def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
                     cache_prefix: bool = True, anchor_len: int = 0) -> list[Segment]:
-    """The engine's segmentation of `prompt` (see TurboRAGEngine.segments), with token-only blobs:
+    """The engine's segmentation of `prompt` (see PromptAssembly.segments), with token-only blobs:
     chunks encoded after an `anchor_len`-token anchor, the prompt's head plain."""
     def own_ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -109,7 +109,7 @@ def prompt_segments(tokenizer, prompt: str, chunk_texts: Sequence[str],
     separators = {tuple(run) for run in separator_ids(tokenizer)}
     segments = []
     for i, piece in enumerate(pieces):
-        # a stock separator between two chunks is encoded like a chunk (engine.segments)
+        # a stock separator between two chunks is encoded like a chunk (engine.assembly.segments)
         is_chunk = piece.chunk is not None or is_separator(pieces, i, separators)
         cached = is_chunk or (i == 0 and cache_prefix and any(p.chunk for p in pieces[1:]))
         blob = _TokensOnly(piece.ids, anchor_len if is_chunk else 0, not is_chunk) \

@@ -34,6 +34,7 @@ import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
+from ..core.prompt_template import render_chat
 
 # The answer so far in refine prompts, and the reply to a question the context cannot answer
 # (training/mix.py). A model trained on this mix replies REFUSAL to chunks without the fact, so
@@ -217,7 +218,7 @@ def render_plain_chat(tokenizer: Any, question: str, chunks: Sequence[str],
     texts = list(chunks)
     user = "Context information:\n" + PLAIN_SEPARATOR.join(texts) + f"\nQuery: {question}"
     recorder = _ChatRecorder(tokenizer)
-    prompt = chat_only_engine(recorder).render_chat(
+    prompt = render_chat(chat_only_engine(recorder).tokenizer,
         [{"role": "system", "content": PLAIN_SYSTEM}, {"role": "user", "content": user}])
     return _rendered(recorder, prompt, texts, answer)
 

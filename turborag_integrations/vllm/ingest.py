@@ -218,7 +218,7 @@ class IngestOptions:
     config's "anchor", default "chat"); context_tokens: the connector's "context_tokens", whose
     default this is (a connector with fewer refuses requests with more); heads: an app's prompt
     heads (the text its prompts have before the first chunk, as
-    `TurboRAGEngine.add_prompt_head` takes it). concurrency: requests in flight (vLLM batches
+    `ChunkLibrary.add_prompt_head` takes it). concurrency: requests in flight (vLLM batches
     them); timeout: seconds per request; api_key: the server's, if it has one."""
 
     tokenizer: object = None

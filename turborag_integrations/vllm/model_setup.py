@@ -75,10 +75,10 @@ class ModelSetup:
         self._engine = engine
         self.tokenizer = engine.tokenizer
         self.learned = engine.learned
-        self.anchor_ids = engine.encoder.anchor_ids
+        self.anchor_ids = engine.library.encoder.anchor_ids
         self.chunk_fp: Fingerprint = engine.fingerprint
-        self.prefix_fp: Fingerprint = engine.prefix_fingerprint
-        self.max_chunk_tokens = engine.encoder.max_chunk_tokens
+        self.prefix_fp: Fingerprint = engine.library.prefix_fingerprint
+        self.max_chunk_tokens = engine.library.encoder.max_chunk_tokens
 
     @property
     def loaded(self) -> bool:
@@ -93,7 +93,7 @@ class ModelSetup:
                 if self._unusable:  # loaded once and refused: not again for every head
                     raise RuntimeError(self._unusable)
                 engine = self._load()
-                if (engine.fingerprint.id, engine.prefix_fingerprint.id) != \
+                if (engine.fingerprint.id, engine.library.prefix_fingerprint.id) != \
                         (self.chunk_fp.id, self.prefix_fp.id):
                     self._unusable = (
                         "the model loaded from the checkpoint fingerprints otherwise than its "

@@ -150,7 +150,7 @@ class TurboRAGConnectorScheduler:
         store = self._store.namespace("")
         if not all(store.contains(store.key(self.chunk_fp, ids))
                    for ids in self.setup.separator_ids()):
-            self.setup.engine.encode_separators()
+            self.setup.engine.library.encode_separators()
 
     def _refresh(self, space: Space, force: bool = False) -> None:
         """Index the blobs stored in a namespace since the last look (other processes ingest
@@ -205,7 +205,7 @@ class TurboRAGConnectorScheduler:
         if len(ids) > self._config.max_head_tokens:
             return None
         try:
-            [blob] = self.setup.engine.prefix_encoder.encode_ids([ids])
+            [blob] = self.setup.engine.library.prefix_encoder.encode_ids([ids])
             store.put(blob, kind="prefix")
         except Exception as exc:  # a full disk costs the reuse, never the request
             log.warning("TurboRAG: prompt head of %d tokens not stored: %s", len(ids), exc)

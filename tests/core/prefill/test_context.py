@@ -29,10 +29,10 @@ def test_blob_is_the_chunk_slice_of_a_causal_forward_after_anchor_and_context(ti
     (and none) equals the chunk's slice of its own forward over anchor + context + chunk, and
     records where that slice starts."""
     engine = TurboRAGEngine(tiny, store=tmp_path / "kv", context_tokens=12, progress=False)
-    enc = engine.encoder
+    enc = engine.library.encoder
     engine.encode_chunks(DOC, contexts=[None, *DOC[:-1]])
     for before, text in zip([None, *DOC[:-1]], DOC):
-        blob = engine.blob_for(text)
+        blob = engine.library.blob_for(text)
         ctx = enc.context_ids(before, len(enc.tokenize(text)))
         assert len(ctx) == (0 if before is None else 12)
         head = enc.anchor_ids + ctx
@@ -41,14 +41,14 @@ def test_blob_is_the_chunk_slice_of_a_causal_forward_after_anchor_and_context(ti
         torch.testing.assert_close(blob.keys, keys[:, :, len(head):], atol=1e-5, rtol=0)
         torch.testing.assert_close(blob.values, values[:, :, len(head):], atol=1e-5, rtol=0)
     # and the context matters: the second chunk alone has other values
-    alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", progress=False).encoder.encode(DOC[1])
+    alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", progress=False).library.encoder.encode(DOC[1])
     # (encode without contexts: alone, whatever the engine's context_tokens)
-    assert (alone.values - engine.blob_for(DOC[1]).values).abs().max() > 1e-3
+    assert (alone.values - engine.library.blob_for(DOC[1]).values).abs().max() > 1e-3
 
 
 def test_context_is_the_end_of_the_text_before_and_the_join(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=10, progress=False)
-    tok, enc = engine.tokenizer, engine.encoder
+    tok, enc = engine.tokenizer, engine.library.encoder
     ids = enc.context_ids(DOC[0] + "  \n")  # trailing whitespace gives way to the join
     assert tok.decode(ids) == (DOC[0] + "\n\n")[-10:]  # byte tokenizer: a token per byte
     assert enc.context_ids(None) == enc.context_ids("  \n") == []
@@ -65,17 +65,17 @@ def test_context_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
     other = TurboRAGEngine(tiny_llama, store=store, context_tokens=32, progress=False)
     alone = TurboRAGEngine(tiny_llama, store=store, context_tokens=0, progress=False)
     assert with_ctx.fingerprint.encoding.endswith("+context:64")
-    assert TurboRAGEngine(tiny_llama, store=store, progress=False).encoder.context_tokens == \
+    assert TurboRAGEngine(tiny_llama, store=store, progress=False).library.encoder.context_tokens == \
         DEFAULT_CONTEXT_TOKENS > 0  # on by default
     assert "context" not in alone.fingerprint.encoding
     assert len({e.fingerprint.id for e in (with_ctx, other, alone)}) == 3
     with_ctx.encode_chunks(DOC[:2], contexts=[None, DOC[0]])
-    assert with_ctx.blob_for(DOC[1]) is not None
-    assert other.blob_for(DOC[1]) is None and alone.blob_for(DOC[1]) is None
+    assert with_ctx.library.blob_for(DOC[1]) is not None
+    assert other.library.blob_for(DOC[1]) is None and alone.library.blob_for(DOC[1]) is None
     # a chunk stored already keeps its blob, whatever came before it this time
-    before = with_ctx.blob_for(DOC[1]).keys.clone()
+    before = with_ctx.library.blob_for(DOC[1]).keys.clone()
     with_ctx.encode_chunks([DOC[1]], contexts=[DOC[3]])
-    assert torch.equal(with_ctx.blob_for(DOC[1]).keys, before)
+    assert torch.equal(with_ctx.library.blob_for(DOC[1]).keys, before)
 
 
 def test_chunks_after_their_own_context_stitch_to_the_full_prefill(tiny, tmp_path):
@@ -92,12 +92,12 @@ def test_chunks_after_their_own_context_stitch_to_the_full_prefill(tiny, tmp_pat
     naive = engine.generate(prompt, chunks=DOC, config=config, mode="naive")
     assert turbo.stats.cache_hits == len(DOC)
     assert turbo.token_ids == naive.token_ids and turbo.token_ids
-    segments, _, _ = engine.segments(prompt, DOC)
+    segments, _, _ = engine.assembly.segments(prompt, DOC)
     pre = engine.prefill(segments, reserve=1)
     alone = TurboRAGEngine(tiny, store=tmp_path / "kv0", anchor="none", separators=False,
                            progress=False)
     alone.encode_chunks(DOC)
-    pre0 = alone.prefill(alone.segments(prompt, DOC)[0], reserve=1)
+    pre0 = alone.prefill(alone.assembly.segments(prompt, DOC)[0], reserve=1)
     with torch.inference_mode():
         full = tiny.model(input_ids=torch.tensor([tiny.tokenizer(
             prompt, add_special_tokens=False)["input_ids"]])).logits[0, -1]
@@ -135,11 +135,11 @@ def test_contexts_skip_the_overlap_with_the_chunk(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", context_tokens=64, progress=False)
     overlapped = DOC[0] + " " + DOC[1]
     chunk = DOC[1] + " " + DOC[2]
-    assert engine.encoder.context_ids(overlapped, chunk=chunk) == \
-        engine.encoder.context_ids(DOC[0] + " ")
+    assert engine.library.encoder.context_ids(overlapped, chunk=chunk) == \
+        engine.library.encoder.context_ids(DOC[0] + " ")
     engine.encode_chunks([chunk], contexts=[overlapped])
-    [alone] = engine.encoder.encode_many([chunk], contexts=[DOC[0]])
-    torch.testing.assert_close(engine.blob_for(chunk).keys, alone.keys, atol=1e-5, rtol=0)
+    [alone] = engine.library.encoder.encode_many([chunk], contexts=[DOC[0]])
+    torch.testing.assert_close(engine.library.blob_for(chunk).keys, alone.keys, atol=1e-5, rtol=0)
 
 
 def test_the_text_before_a_chunk_is_its_documents_pieces_so_far():
@@ -167,28 +167,28 @@ def test_ingestion_replaces_blobs_encoded_alone_with_context_blobs(tiny, tmp_pat
     ingesting its document later replaces that blob with the one after its context, and leaves
     blobs that already had one (or need none) as they are."""
     engine = TurboRAGEngine(tiny, store=tmp_path / "kv", context_tokens=12, progress=False)
-    alone_at = engine.encoder.base_position
-    engine.prepare_chunks([DOC[0], DOC[1]])  # query time: no document, so encoded alone
-    assert engine.blob_for(DOC[1]).base_position == alone_at
-    first = engine.blob_for(DOC[0]).keys.clone()
+    alone_at = engine.library.encoder.base_position
+    engine.library.prepare_chunks([DOC[0], DOC[1]])  # query time: no document, so encoded alone
+    assert engine.library.blob_for(DOC[1]).base_position == alone_at
+    first = engine.library.blob_for(DOC[0]).keys.clone()
     writes = engine.store.stats().writes
 
     engine.encode_chunks(DOC, contexts=[None, *DOC[:-1]], doc_ids=["d"] * 4)
     fresh = TurboRAGEngine(tiny, store=tmp_path / "kv2", context_tokens=12, progress=False)
     fresh.encode_chunks(DOC, contexts=[None, *DOC[:-1]])
     for text in DOC:
-        got, want = engine.blob_for(text), fresh.blob_for(text)
+        got, want = engine.library.blob_for(text), fresh.library.blob_for(text)
         assert got.base_position == want.base_position
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
-    assert engine.blob_for(DOC[1]).base_position > alone_at
+    assert engine.library.blob_for(DOC[1]).base_position > alone_at
     # the document's first chunk has no context: its blob stayed, not rewritten
-    assert torch.equal(engine.blob_for(DOC[0]).keys, first)
+    assert torch.equal(engine.library.blob_for(DOC[0]).keys, first)
     assert engine.store.stats().writes == writes + 3  # DOC[1] replaced, DOC[2:] new
-    assert sorted(engine.forget_document("d")) == sorted(engine.chunk_key(t) for t in DOC)
+    assert sorted(engine.forget_document("d")) == sorted(engine.library.chunk_key(t) for t in DOC)
 
     # an engine without context encoding never replaces anything
     plain = TurboRAGEngine(tiny, store=tmp_path / "kv3", context_tokens=0, progress=False)
-    plain.prepare_chunks([DOC[1]])
+    plain.library.prepare_chunks([DOC[1]])
     writes = plain.store.stats().writes
     plain.encode_chunks(DOC[:2], contexts=[None, DOC[0]])
     assert plain.store.stats().writes == writes + 1  # DOC[0] only

@@ -12,6 +12,7 @@ from turborag_integrations.core.kv.blob import fingerprint_model
 from turborag_integrations.core.prefill.encoding import LearnedEncoding, new_lora
 from turborag_integrations.training.distill import make_example, student_logits
 from tests.conftest import tiny_model
+from turborag_integrations.core.prompt_template import render_chat
 
 CHUNKS = ["Alice was born in Paris in 1901.", "Bob keeps three red bicycles.",
           "The river Xan flows north to the sea."]
@@ -32,7 +33,7 @@ def encoding_for(loaded, *, soft: int = 3, rank: int = 4, seed: int = 1) -> Lear
 
 def prompt_of(engine, question="Where was Alice born?"):
     user = "Context:\n" + "\n\n".join(CHUNKS) + f"\n\nQuestion: {question}"
-    return engine.render_chat([{"role": "system", "content": "Use the context."},
+    return render_chat(engine.tokenizer, [{"role": "system", "content": "Use the context."},
                                {"role": "user", "content": user}])
 
 
@@ -46,7 +47,7 @@ def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
                             recovery="none")
     engine.encode_chunks(CHUNKS)
     prompt = prompt_of(engine)
-    segments, hits, _ = engine.segments(prompt, CHUNKS)
+    segments, hits, _ = engine.assembly.segments(prompt, CHUNKS)
     assert hits == len(CHUNKS)
     pre = engine.prefill(segments, reserve=4)
     reply = "Paris"
@@ -60,7 +61,7 @@ def test_stitched_logits_equal_the_training_forward(tiny, tmp_path, soft, rank):
     plain = TurboRAGEngine(tiny, store=str(tmp_path / "kv2"), progress=False, encoder=None,
                            recovery="none")
     plain.encode_chunks(CHUNKS)
-    other = plain.prefill(plain.segments(prompt, CHUNKS)[0], reserve=4).logits
+    other = plain.prefill(plain.assembly.segments(prompt, CHUNKS)[0], reserve=4).logits
     assert (other - pre.logits).abs().max() > 1e-3
     engine.cache_pool.release(pre.cache)
 
@@ -79,10 +80,10 @@ def test_stitched_logits_equal_the_training_forward_with_contexts(tiny, tmp_path
                             context_tokens=40, recovery="none")
     engine.encode_chunks(CHUNKS, contexts=CONTEXTS)
     prompt = prompt_of(engine)
-    pre = engine.prefill(engine.segments(prompt, CHUNKS)[0], reserve=4)
+    pre = engine.prefill(engine.assembly.segments(prompt, CHUNKS)[0], reserve=4)
     tok = tiny.tokenizer
     anchor = anchor_ids("chat", tok)
-    ctx = [engine.encoder.context_ids(c, len(engine.encoder.tokenize(t)), t)
+    ctx = [engine.library.encoder.context_ids(c, len(engine.library.encoder.tokenize(t)), t)
            for c, t in zip(CONTEXTS, CHUNKS)]
     # a document's first chunk has none; one context is cut to the limit, one is shorter
     assert ctx[0] == [] and len(ctx[1]) == 40 and 0 < len(ctx[2]) < 40
@@ -121,12 +122,12 @@ def test_encoder_is_part_of_fingerprint_and_key(tiny_llama, tmp_path):
     two = TurboRAGEngine(tiny_llama, store=kv, progress=False,
                          encoder=encoding_for(tiny_llama, seed=2), recovery="none")
     none = TurboRAGEngine(tiny_llama, store=kv, progress=False, encoder=None, recovery="none")
-    keys = {e.chunk_key(CHUNKS[0]) for e in (one, two, none)}
+    keys = {e.library.chunk_key(CHUNKS[0]) for e in (one, two, none)}
     assert len(keys) == 3
     assert len({e.fingerprint.id for e in (one, two, none)}) == 3
     one.encode_chunks(CHUNKS)
-    assert two.blob_for(CHUNKS[0]) is None  # another encoder's blob is never used
-    assert one.blob_for(CHUNKS[0]) is not None
+    assert two.library.blob_for(CHUNKS[0]) is None  # another encoder's blob is never used
+    assert one.library.blob_for(CHUNKS[0]) is not None
 
 
 def test_file_round_trip_and_refusals(tiny_llama, tmp_path):

@@ -71,7 +71,7 @@ def test_the_engine_option_equals_stitching_the_turned_prompt(tiny, tmp_path, te
     turning = TurboRAGEngine(tiny, store=plain.store, question_last=True)
     plain.encode_chunks(CHUNKS)
     config = GenerationConfig(max_new_tokens=12)
-    turned = question_last(template, CHUNKS, turning.user_opener)
+    turned = question_last(template, CHUNKS, turning.assembly.user_opener)
     assert (turned != template) == (template is QUESTION_FIRST)
 
     got = turning.generate(template, chunks=CHUNKS, config=config)

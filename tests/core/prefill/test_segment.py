@@ -64,7 +64,7 @@ def test_engine_stitches_the_prompts_own_tokens_and_is_exact(tmp_path):
     chunks = CHUNKS + ["The river Xan flows north.\n"]
     engine.encode_chunks(chunks)
     prompt = "Context:\n" + "\n\n".join(chunks) + "\n Question: who keeps bicycles?\nAnswer:"
-    segments, hits, misses = engine.segments(prompt, chunks)
+    segments, hits, misses = engine.assembly.segments(prompt, chunks)
     assert (hits, misses) == (3, 0)
     plan = plan_prompt(segments, engine.tokenizer, fingerprint=engine.fingerprint)
     assert plan.token_ids == engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -80,14 +80,14 @@ def test_engine_stitches_the_prompts_own_tokens_and_is_exact(tmp_path):
 
 
 def test_a_slow_tokenizer_falls_back_to_pieces_tokenized_alone(tmp_path, monkeypatch):
-    import turborag_integrations.core.engine as engine_module
+    import turborag_integrations.core.assembly as engine_module
 
     monkeypatch.setattr(engine_module, "tokenize_with_starts", lambda tokenizer, prompt: None)
     engine = TurboRAGEngine(tiny_model("llama", merges=NEWLINES), store=tmp_path / "kv",
                             anchor="none", encoder=None)
     engine.encode_chunks(CHUNKS)
     prompt = "\n\n".join(CHUNKS) + "\n\nQ?"
-    segments, hits, _ = engine.segments(prompt, CHUNKS)
+    segments, hits, _ = engine.assembly.segments(prompt, CHUNKS)
     assert hits == 2 and "".join(s.text for s in segments) == prompt
     plan = plan_prompt(segments, engine.tokenizer)
     # the "\n\n" between the chunks tokenized alone: one token fewer than in the whole prompt
@@ -97,7 +97,7 @@ def test_a_slow_tokenizer_falls_back_to_pieces_tokenized_alone(tmp_path, monkeyp
 @pytest.mark.parametrize("n", [0, 99])
 def test_a_blob_head_must_be_within_the_blob(tmp_path, n):
     engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", encoder=None)
-    blob = engine.encoder.encode(CHUNKS[0])
+    blob = engine.library.encoder.encode(CHUNKS[0])
     assert blob.head(3).num_tokens == 3 and blob.head(3).base_position == blob.base_position
     with pytest.raises(ValueError, match="no head"):
         blob.head(n + blob.num_tokens if n else 0)
@@ -110,7 +110,7 @@ def test_a_stock_separator_between_chunks_is_stitched_from_its_blob(tmp_path):
     engine = TurboRAGEngine(loaded, store=tmp_path / "kv", anchor="none", encoder=None)
     engine.encode_chunks(CHUNKS)
     prompt = "Context:\n" + "\n\n".join(CHUNKS) + "\n\nQuestion: who?"
-    segments, hits, _ = engine.segments(prompt, CHUNKS)
+    segments, hits, _ = engine.assembly.segments(prompt, CHUNKS)
     cached = [s.text for s in segments if s.cached]
     assert hits == 2 and cached == ["Context:\n", CHUNKS[0], "\n\n", CHUNKS[1]]
     plan = plan_prompt(segments, engine.tokenizer, fingerprint=engine.fingerprint)
@@ -119,7 +119,7 @@ def test_a_stock_separator_between_chunks_is_stitched_from_its_blob(tmp_path):
     reference = reference_forward(loaded.model, plan)[plan.plain_index]
     torch.testing.assert_close(stitched.logits, reference, atol=1e-4, rtol=0)
     other = "Context:\n" + CHUNKS[0] + "\n--\n" + CHUNKS[1] + "\nQ?"
-    assert [s.text for s in engine.segments(other, CHUNKS)[0] if s.cached] == [
+    assert [s.text for s in engine.assembly.segments(other, CHUNKS)[0] if s.cached] == [
         "Context:\n", CHUNKS[0], CHUNKS[1]]
 
 
@@ -128,6 +128,6 @@ def test_separators_can_be_prefilled_instead(tmp_path):
                             anchor="none", encoder=None, separators=False)
     engine.encode_chunks(CHUNKS)
     prompt = "Context:\n" + "\n\n".join(CHUNKS) + "\n\nQuestion: who?"
-    segments, _, _ = engine.segments(prompt, CHUNKS)
+    segments, _, _ = engine.assembly.segments(prompt, CHUNKS)
     assert [s.text for s in segments if s.cached] == ["Context:\n", *CHUNKS]
     assert engine.namespaced("a").config.query.separators is False

@@ -27,13 +27,13 @@ def test_encode_separators_stores_the_stock_separators_like_chunks_once(tmp_path
     engine = TurboRAGEngine(tiny_model("llama"), store=str(tmp_path / "kv"), progress=False)
     engine.encode_chunks(["A first chunk of text.", "A second chunk of text."])
     assert len(engine.store.keys()) == 2  # chunks alone: separators only when asked for
-    keys = engine.encode_separators()
+    keys = engine.library.encode_separators()
     runs = separator_ids(engine.tokenizer)
     assert runs and keys == [chunk_key(engine.fingerprint, r) for r in runs]
     assert all(engine.store.contains(k) for k in keys)
     blob = engine.store.get(keys[0], engine.fingerprint)
     assert blob.token_ids.tolist() == runs[0]
-    assert blob.base_position == engine.encoder.base_position  # encoded like a chunk
+    assert blob.base_position == engine.library.encoder.base_position  # encoded like a chunk
     before = set(engine.store.keys())
     again = TurboRAGEngine(engine.loaded, store=engine.store, progress=False)
-    assert again.encode_separators() == keys and set(engine.store.keys()) == before
+    assert again.library.encode_separators() == keys and set(engine.store.keys()) == before

@@ -141,10 +141,10 @@ def test_caches_equal_fresh_prefill_after_every_round(target):
     engine.encode_chunks(chunks)
     t_prompt = "\n\n".join(PARAGRAPHS[:3]) + "\n\nQ: " + QUESTION + "\nA:"
     d_prompt = "\n\n".join(chunks) + "\n\nQ: " + QUESTION + "\nA:"
-    d_segments = engine.segments(d_prompt, chunks)[0]
+    d_segments = engine.assembly.segments(d_prompt, chunks)[0]
     full = partial = 0
     for temperature in (0.0, 1.0, 3.0):
-        pre_t = engine.prefill(engine.segments(t_prompt)[0], reserve=80)
+        pre_t = engine.prefill(engine.assembly.segments(t_prompt)[0], reserve=80)
         pre_d = engine.prefill(d_segments, reserve=80)
         assert pre_d.plan.reused_tokens > 0
         t_ids = list(pre_t.plan.token_ids)

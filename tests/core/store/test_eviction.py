@@ -156,8 +156,8 @@ def test_prompt_heads_and_chunks_land_in_their_own_folders(tmp_path, tiny_llama)
     from turborag_integrations.core.engine import TurboRAGEngine
 
     engine = TurboRAGEngine(tiny_llama, store=tmp_path, progress=False)
-    head = engine.prefix_blob("System: answer briefly.\nContext:\n")
-    chunk = engine.blob_for("The ferry stops in January.", encode_missing=True)
+    head = engine.library.prefix_blob("System: answer briefly.\nContext:\n")
+    chunk = engine.library.blob_for("The ferry stops in January.", encode_missing=True)
     assert engine.store.disk.path(head.key) == engine.store.disk.path(head.key, "prefix")
     assert engine.store.disk.path(chunk.key) == engine.store.disk.path(chunk.key, "chunk")
     assert engine.store.disk.path(head.key).exists() and engine.store.disk.path(chunk.key).exists()

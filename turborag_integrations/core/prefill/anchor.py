@@ -22,7 +22,7 @@ DEFAULT_ANCHOR = "chat"
 GENERIC_SYSTEM = "You are a helpful assistant."
 _SENTINEL = "\x00TURBORAG-ANCHOR\x00"
 # Where the retrieved chunks go when an adapter renders its template to find its prompt head
-# (`TurboRAGEngine.prompt_head`): text no template or document holds.
+# (`PromptAssembly.prompt_head`): text no template or document holds.
 CONTEXT_MARKER = "\x00TURBORAG-CONTEXT\x00"
 # ...and what the template's other variables (the question) are rendered as.
 VALUE_MARKER = "\x00TURBORAG-VALUE\x00"

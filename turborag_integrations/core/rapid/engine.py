@@ -42,6 +42,7 @@ from ..settings import GenerationConfig, SpeculationConfig
 from .config import RapidConfig
 from .context import ContextIndex, DrafterContext, document_order
 from .speculation import Side, speculate
+from ..prompt_template import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class RapidEngine:
         messages = [{"role": "user", "content": self.template(context, question)}]
         if self.system:
             messages.insert(0, {"role": "system", "content": self.system})
-        prompt = engine.render_chat(messages)
+        prompt = render_chat(engine.tokenizer, messages)
         if not context:
             return "", prompt
         at = prompt.find(context)
@@ -254,11 +255,11 @@ class RapidEngine:
         prefix_key, hit); `save_prefix` stores a missed prefix after decoding."""
         blob, key = None, None
         if prefix and self.config.prefix_cache:
-            key = engine.prefix_key(prefix)
+            key = engine.library.prefix_key(prefix)
             if engine is self.target and self._prefix is not None and self._prefix[0] == key:
                 blob = self._prefix[1]
             elif self._native_store(engine):
-                blob = engine.store.get(key, engine.prefix_fingerprint)
+                blob = engine.store.get(key, engine.library.prefix_fingerprint)
         segments = [Segment(prefix, blob), Segment(suffix)] if prefix else [Segment(suffix)]
         pre = engine.prefill(segments, reserve=reserve)
         return pre, key, blob is not None
@@ -274,11 +275,11 @@ class RapidEngine:
         `engine`'s prefix blob under `key`."""
         keys, values = cache.export(len(ids))
         blob = KVBlob(token_ids=torch.as_tensor(ids, dtype=torch.long), keys=keys,
-                      values=values, fingerprint=engine.prefix_fingerprint)
+                      values=values, fingerprint=engine.library.prefix_fingerprint)
         if engine is self.target:
             self._prefix = (key, blob)
         if self._native_store(engine):
-            engine.keep(blob, kind="prefix")  # bounded apart from the chunk blobs
+            engine.library.keep(blob, kind="prefix")  # bounded apart from the chunk blobs
 
     def drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
                         reserve: int) -> Prefill:
@@ -293,7 +294,8 @@ class RapidEngine:
             chosen = document_order(context, list(chunks))
         prefix, suffix = self.render(self.drafter, "\n\n".join(chosen), question)
         t0 = now()
-        segments, _, _ = self.drafter.segments(prefix + suffix, chosen, encode_missing=True)
+        segments, _, _ = self.drafter.assembly.segments(prefix + suffix, chosen,
+                                                        encode_missing=True)
         # the drafter's stitch as it is: a draft only has to be likely, the target verifies it
         pre = self.drafter.prefill(segments, reserve=reserve, recovery=NO_RECOVERY)
         stats.drafter_prefill_s = now() - t0
