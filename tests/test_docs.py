@@ -87,3 +87,24 @@ def test_every_command_and_flag_the_docs_show_exists():
         wrong += [f"{where}: `turborag {' '.join(command)}` has no {flag}" for flag in flags
                   if flag not in helps[command]]
     assert wrong == []
+
+
+def test_every_kept_benchmark_result_is_cited():
+    """benchmarks/results holds what a page, a script or a test names (a file's name, or a glob
+    such as `results/ttft_select_*.json`): a result nobody cites is a variant measured and not
+    chosen, and git's history keeps it."""
+    cited = ""
+    for folder in ("docs", "benchmarks", "tests", "turborag_integrations", "examples"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".md", ".py") and "results" not in path.parts:
+                cited += path.read_text()
+    cited += (ROOT / "README.md").read_text()
+    globs = re.findall(r"results/([\w.*-]+)", cited)
+    uncited = []
+    for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        stem = path.name.rsplit(".", 1)[0]
+        if stem in cited or any(Path(path.name).match(g) or Path(path.name).match(g + "*")
+                                for g in globs):
+            continue
+        uncited.append(path.name)
+    assert uncited == []
