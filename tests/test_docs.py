@@ -46,7 +46,7 @@ def _cli_mentions() -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
     import re
     import shlex
 
-    groups = {"store": ("stats", "verify", "gc"), "keys": ("add", "list", "revoke"),
+    groups = {"store": ("stats", "verify", "gc", "plan"), "keys": ("add", "list", "revoke"),
               "models": ("list", "prepare")}
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:

@@ -595,6 +595,55 @@ def store_gc(store: Optional[Path] = StoreOpt,
                    f"{format_size(kv.disk_usage()['bytes'])} (at most {format_size(limit)})")
 
 
+@store_app.command("plan")
+def store_plan(
+    chunks: int = typer.Option(..., min=1, help="chunks in the corpus"),
+    chunk_tokens: int = typer.Option(..., min=1, help="tokens a chunk (the mean)"),
+    model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
+    storage_dtype: str = typer.Option("native", help="how blobs are written: native | "
+                                      "bfloat16 | float16 | int8"),
+    heads: int = typer.Option(0, min=0, help="prompt heads (a lead blob more per chunk each)"),
+    context_tokens: int = typer.Option(0, "--context-tokens", min=0, help="tokens of the "
+                                       "document's text each chunk is encoded after"),
+    disk_bytes: Optional[str] = typer.Option(None, help="the disk budget to plan against "
+                                             "(default: the store's, half the free room)"),
+    memory_bytes: str = typer.Option("2GiB", help="the memory tier's budget"),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N | mps"),
+    dtype: str = typer.Option("float32", help="the model's compute dtype"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """What a corpus will cost before ingesting it: store bytes per tier and encoding hours on
+    this machine, from a blob written and a batch encoded with the model (core/planner.py)."""
+    import json
+    import tempfile
+
+    from .core.errors import TurboRAGError
+    from .core.planner import CorpusShape, calibrate, describe, plan
+    from .core.store import StoreConfig, parse_size
+
+    _check_device(device, dtype)
+    try:
+        shape = CorpusShape(chunks, chunk_tokens, heads, context_tokens)
+        store = StoreConfig(storage_dtype=storage_dtype, memory_bytes=parse_size(memory_bytes),
+                            disk_bytes=disk_bytes)
+    except ValueError as exc:
+        _fail(str(exc))
+    from .core.engine import TurboRAGEngine
+
+    with tempfile.TemporaryDirectory(prefix="turborag-plan-") as folder:
+        try:
+            with TurboRAGEngine(model, store=folder, context_tokens=context_tokens,
+                                device=device, dtype=dtype, progress=False) as engine:
+                report = plan(shape, calibrate(engine, shape, storage_dtype=storage_dtype),
+                              store)
+        except (TurboRAGError, ValueError) as exc:
+            _fail(str(exc))
+    if json_out:
+        typer.echo(json.dumps(report))
+    else:
+        typer.echo("\n".join(describe(report)))
+
+
 def _register_accuracy_commands() -> None:
     from .evaluation.cli import eval_command
     from .training.cli import finetune_command
