@@ -58,9 +58,8 @@ class KVStore:
     MAX_SALTED = 4096  # salted namespaces' stores kept at once (`namespace`); a few kB each
 
     def __init__(self, root: str | os.PathLike | None = None, *,
-                 config: StoreConfig | None = None, tiers: Iterable[Tier] = (),
-                 namespace: str = "", **settings):
-        check_namespace(namespace)
+                 config: StoreConfig | None = None, tiers: Iterable[Tier] = (), **settings):
+        namespace = ""  # the store's own; `namespace(name)` opens (and checks) the others
         self.config = c = with_fields(config or StoreConfig(), "KV store", **settings)
         self.base = Path(root or default_store_path()).expanduser()
         self.disk = DiskTier(namespace_root(self.base, namespace), c.storage_dtype,
