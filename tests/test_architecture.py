@@ -396,3 +396,12 @@ def test_the_engine_shows_what_a_user_calls():
     assert TurboRAGEngine.__mro__[1:] == (object,)
     assert methods == ["add_prompt", "close", "encode_chunks", "forget_document", "generate",
                        "namespaced", "prefill", "start", "stream", "warmup"]
+
+
+def test_a_namespace_is_checked_where_it_is_opened():
+    """Every path reaches a namespace's blobs through `KVStore.namespace(name)`, which checks
+    the name; vLLM's ingestion requests check theirs as they are read, before any compute."""
+    assert _calls("check_namespace") == [
+        f"{PACKAGE}/core/store/kvstore.py: KVStore.namespace",
+        f"{PACKAGE}/vllm/ingest.py: _where",
+    ]
