@@ -24,6 +24,7 @@ attention of core/attention.py and with stock SDPA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -176,9 +177,10 @@ def main(argv=None) -> int:
             target = Side(engine.model, pre.cache, pre.logits, pre.next_position)
             t0 = time.perf_counter()
             toks, drafted, accepted = [], 0, 0
-            for i, rnd in enumerate(speculate(target, drafter, config,
-                                              SpeculationConfig(gamma=args.gamma),
-                                              max_new_tokens=args.new_tokens)):
+            for i, rnd in enumerate(speculate(target, drafter,
+                                              dataclasses.replace(
+                                                  config, max_new_tokens=args.new_tokens),
+                                              SpeculationConfig(gamma=args.gamma))):
                 if i == 0:
                     t_first = time.perf_counter()
                 toks += rnd.tokens
@@ -253,7 +255,6 @@ def spec_run(rapid: RapidEngine, t_pre, d_pre, setting: dict, n: int, eos_ids=()
                                           SpeculationConfig(
                                               gamma=setting["gamma"],
                                               min_draft_prob=setting["min_draft_prob"]),
-                                          max_new_tokens=n,
                                           eos_ids=eos_ids)):
             if i == 0:
                 t_first = time.perf_counter()

@@ -16,6 +16,7 @@ MODES = ("turbo", "naive")  # reuse chunk blobs, or prefill everything (the base
 QUANTIZE_MODES = (None, "int8", "bf16")
 DRAFT_MODES = (None, "int8", "bf16")
 RESIDUALS = ("rapid", "standard")
+SPECULATION_POLICIES = ("auto", "always")
 # What a turbo request that names no recovery recomputes at query time (core/prefill/recovery.py;
 # chosen on the hand-written dev set, docs/accuracy.md), and the spellings a recovery takes.
 DEFAULT_RECOVERY = "select:0.15"
@@ -137,7 +138,10 @@ class SpeculationConfig:
     min_draft_prob: adaptive draft length — a round stops drafting once the drafter's
     probability of its own last draft falls below this (0: always draft γ); it reads only the
     drafter's distribution, so the output law is unchanged. verify_split: verify with the
-    split attention over the long cache (core/attention.py) where it applies.
+    split attention over the long cache (core/attention.py) where it applies. policy: "auto"
+    speculates only where the measured costs predict a gain, with the best γ up to `gamma`
+    for them, and decodes with the target alone elsewhere (core/rapid/policy.py); "always"
+    drafts `gamma` every round.
     """
 
     gamma: int = 10
@@ -145,6 +149,7 @@ class SpeculationConfig:
     residual: str = "rapid"
     min_draft_prob: float = 0.0
     verify_split: bool = True
+    policy: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.gamma, int) or self.gamma < 1:
@@ -152,6 +157,7 @@ class SpeculationConfig:
         if not 0 <= self.eta < float("inf"):  # also refuses NaN
             raise ValueError(f"eta must be a finite number ≥ 0 (0 is lossless), not {self.eta!r}")
         check_choice("residual", self.residual, RESIDUALS)
+        check_choice("policy", self.policy, SPECULATION_POLICIES)
         if not 0.0 <= self.min_draft_prob < 1.0:  # also refuses NaN
             raise ValueError(f"min_draft_prob must be in [0, 1), not {self.min_draft_prob!r} "
                              "(0: always draft γ)")

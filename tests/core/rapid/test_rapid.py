@@ -56,7 +56,7 @@ def reference(rapid: RapidEngine, n: int) -> list[int]:
 @pytest.mark.parametrize("gamma", [1, 4, 10])
 def test_greedy_eta0_equals_target_greedy_other_drafter(pair, gamma):
     t, d = pair
-    rapid = RapidEngine(t, d, gamma=gamma)
+    rapid = RapidEngine(t, d, gamma=gamma, policy="always")
     out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
                          config=GenerationConfig(max_new_tokens=40))
     assert out.token_ids == reference(rapid, 40)[:len(out.token_ids)]
@@ -65,7 +65,7 @@ def test_greedy_eta0_equals_target_greedy_other_drafter(pair, gamma):
 
 
 def test_greedy_eta0_self_speculation(target):
-    rapid = RapidEngine(target, gamma=6)
+    rapid = RapidEngine(target, gamma=6, policy="always")
     out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:2],
                          config=GenerationConfig(max_new_tokens=48))
     assert out.token_ids == reference(rapid, 48)
@@ -77,7 +77,7 @@ def test_greedy_eta0_self_speculation(target):
 
 
 def test_empty_retrieval_drafts_from_question_alone(target):
-    rapid = RapidEngine(target, gamma=4)
+    rapid = RapidEngine(target, gamma=4, policy="always")
     out = rapid.generate(CONTEXT, QUESTION, chunks=[], config=GenerationConfig(max_new_tokens=32))
     assert out.stats.drafter_chunks == 0
     assert out.stats.drafter_reused_tokens == 0
@@ -85,7 +85,7 @@ def test_empty_retrieval_drafts_from_question_alone(target):
 
 
 def test_own_retrieval_below_threshold_is_empty_and_still_lossless(target):
-    rapid = RapidEngine(target, gamma=4, threshold=1.01)  # cosine never reaches it
+    rapid = RapidEngine(target, gamma=4, threshold=1.01, policy="always")  # cosine never reaches it
     out = rapid.generate(CONTEXT, QUESTION, config=GenerationConfig(max_new_tokens=16))
     assert out.stats.drafter_chunks == 0
     assert out.token_ids == reference(rapid, 16)
@@ -93,7 +93,7 @@ def test_own_retrieval_below_threshold_is_empty_and_still_lossless(target):
 
 def test_own_retrieval_budget_and_document_order(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
-    rapid = RapidEngine(engine, chunk_tokens=80, threshold=0.0, compression=2.5)
+    rapid = RapidEngine(engine, chunk_tokens=80, threshold=0.0, compression=2.5, policy="always")
     ctx = rapid.drafter_context(CONTEXT, "lighthouse cliffs Velmora furnace")
     assert ctx.candidates > 1
     assert 0 < ctx.tokens <= ctx.budget <= sum(len(p.encode()) for p in PARAGRAPHS) / 2.5 + 8
@@ -104,7 +104,7 @@ def test_own_retrieval_budget_and_document_order(tiny_llama, tmp_path):
 # ---- the prefix cache ------------------------------------------------------------------------
 
 def test_second_question_reuses_the_target_prefix(target):
-    rapid = RapidEngine(target, gamma=4)
+    rapid = RapidEngine(target, gamma=4, policy="always")
     config = GenerationConfig(max_new_tokens=24)
     first = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
     assert not first.stats.target_prefix_hit and first.stats.target_reused_tokens == 0
@@ -448,7 +448,7 @@ def test_vocabulary_mismatch_is_refused(tiny_llama, tmp_path):
 
 
 def test_context_longer_than_target_window_fails_before_compute(target):
-    rapid = RapidEngine(target)
+    rapid = RapidEngine(target, policy="always")
     calls = []
     handle = target.model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
@@ -485,7 +485,7 @@ def test_bad_parameters(target):
 
 
 def test_streaming_and_stop_strings(target):
-    rapid = RapidEngine(target, gamma=4)
+    rapid = RapidEngine(target, gamma=4, policy="always")
     config = GenerationConfig(max_new_tokens=30)
     whole = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
     stream = rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
@@ -501,14 +501,14 @@ def test_streaming_and_stop_strings(target):
 
 
 def test_per_call_settings_are_validated_before_any_compute(target):
-    rapid = RapidEngine(target)
+    rapid = RapidEngine(target, policy="always")
     for kwargs in ({"gamma": 0}, {"eta": -0.5}, {"eta": float("nan")}, {"eta": float("inf")}):
         with pytest.raises(ValueError):
             rapid.stream(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], **kwargs)
 
 
 def test_early_close_releases_both_caches_and_keeps_partial_stats(target):
-    rapid = RapidEngine(target, gamma=3)
+    rapid = RapidEngine(target, gamma=3, policy="always")
     config = GenerationConfig(max_new_tokens=20)
     fresh = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
     target.cache_pool.keep = 4
@@ -528,7 +528,7 @@ def test_given_chunks_reach_the_drafter_in_document_order(target):
     from turborag_integrations.core.rapid import document_order
 
     assert document_order("a b c", ["c", "zz", "a", " "]) == ["a", "c", "zz"]
-    rapid = RapidEngine(target, gamma=2)
+    rapid = RapidEngine(target, gamma=2, policy="always")
     config = GenerationConfig(max_new_tokens=8)
     ordered = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:3], config=config)
     shuffled = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[2::-1], config=config)
@@ -546,7 +546,7 @@ def test_int8_drafter_keeps_eta0_lossless(pair):
     if not int8_available():
         pytest.skip("no int8 dynamic quantisation in this torch build")
     t, d = pair
-    rapid = RapidEngine(t, d, gamma=4, drafter_quantize="int8")
+    rapid = RapidEngine(t, d, gamma=4, drafter_quantize="int8", policy="always")
     out = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
                          config=GenerationConfig(max_new_tokens=40))
     assert out.token_ids == reference(rapid, 40)
@@ -561,7 +561,7 @@ def test_int8_drafter_keeps_eta0_lossless(pair):
 
 def test_sampled_int8_drafter_runs_and_fp32_target_decides(pair):
     t, d = pair
-    rapid = RapidEngine(t, d, gamma=3, drafter_quantize="int8")
+    rapid = RapidEngine(t, d, gamma=3, drafter_quantize="int8", policy="always")
     config = GenerationConfig(max_new_tokens=20, temperature=0.8, seed=3)
     a = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
     b = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
@@ -570,8 +570,8 @@ def test_sampled_int8_drafter_runs_and_fp32_target_decides(pair):
 
 def test_adaptive_draft_length_stops_early_and_stays_lossless(pair):
     t, d = pair
-    fixed = RapidEngine(t, d, gamma=8)
-    adaptive = RapidEngine(t, d, gamma=8, min_draft_prob=0.9)
+    fixed = RapidEngine(t, d, gamma=8, policy="always")
+    adaptive = RapidEngine(t, d, gamma=8, min_draft_prob=0.9, policy="always")
     config = GenerationConfig(max_new_tokens=40)
     a = fixed.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
     b = adaptive.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
@@ -584,8 +584,8 @@ def test_adaptive_draft_length_stops_early_and_stays_lossless(pair):
 
 def test_round_costs_are_measured(pair):
     t, d = pair
-    out = RapidEngine(t, d, gamma=4).generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1],
-                                              config=GenerationConfig(max_new_tokens=24))
+    out = RapidEngine(t, d, gamma=4, policy="always").generate(
+        CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=GenerationConfig(max_new_tokens=24))
     s = out.stats
     assert s.rounds > 0 and s.draft_steps >= s.rounds
     assert s.draft_s > 0 and s.verify_s > 0
@@ -597,7 +597,7 @@ def test_round_costs_are_measured(pair):
 def test_reference_context_preset(target):
     from turborag_integrations.core.rapid import REFERENCE_CONTEXT
 
-    rapid = RapidEngine.reference(target, gamma=3)
+    rapid = RapidEngine.reference(target, gamma=3, policy="always")
     assert rapid.config.chunk_tokens == 128 and rapid.config.speculation.gamma == 3
     assert REFERENCE_CONTEXT["chunk_tokens"] == 128
     # max(|C| / 32, 4096), never more than the context itself
@@ -621,7 +621,7 @@ def test_reference_context_preset(target):
 
 def test_changed_chunk_size_is_not_served_stale_chunks(tiny_llama, tmp_path):
     engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
-    rapid = RapidEngine(engine, chunk_tokens=80, threshold=-1.0, compression=1.0)
+    rapid = RapidEngine(engine, chunk_tokens=80, threshold=-1.0, compression=1.0, policy="always")
     big = rapid.drafter_context(CONTEXT, QUESTION).candidates
     rapid.config = rapid.config.with_settings(chunk_tokens=40)
     small = rapid.drafter_context(CONTEXT, QUESTION).candidates
@@ -631,7 +631,7 @@ def test_changed_chunk_size_is_not_served_stale_chunks(tiny_llama, tmp_path):
 def test_drafter_prefix_cache_for_a_full_context_drafter(pair):
     """cached_prefill/save_prefix work for the drafter too (naive speculative decoding)."""
     t, d = pair
-    rapid = RapidEngine(t, d)
+    rapid = RapidEngine(t, d, policy="always")
     prefix, suffix = rapid.render(d, CONTEXT, QUESTION)
     pre, key, hit = rapid.cached_prefill(d, prefix, suffix, 8)
     assert not hit

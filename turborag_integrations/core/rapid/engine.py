@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -41,6 +41,7 @@ from ..run import GenerationResult, GenerationStream, Run, RunStats
 from ..settings import GenerationConfig, SpeculationConfig
 from .config import RapidConfig
 from .context import ContextIndex, DrafterContext, document_order
+from .policy import CostTable, SpeculationPolicy
 from .speculation import Side, speculate
 from ..prompt_template import render_chat
 
@@ -70,6 +71,9 @@ class RapidStats(RunStats, DraftStats):
     draft_s: float = 0.0  # drafter steps, all rounds
     draft_steps: int = 0
     verify_s: float = 0.0  # target verification forwards, all rounds
+    # the policy's decisions (core/rapid/policy.py): rounds speculated and plain steps, mean γ,
+    # the predicted speed-up, whether speculation was switched off, the acceptance estimate
+    policy: dict = field(default_factory=dict)
 
     @property
     def draft_step_ms(self) -> float:
@@ -152,6 +156,9 @@ class RapidEngine:
         self._index: tuple[str, ContextIndex] | None = None
         self._prefix: tuple[str, KVBlob] | None = None  # last prefix blob, always in memory
         self._lock = threading.Lock()
+        # what speculation costs here, by context length, learned from the answers
+        # (core/rapid/policy.py)
+        self.costs = CostTable()
 
     @classmethod
     def reference(cls, target: TurboRAGEngine, drafter: TurboRAGEngine | None = None,
@@ -333,8 +340,10 @@ class RapidEngine:
             self.target.cache_pool.release(pre_t.cache)
             self.drafter.cache_pool.release(pre_d.cache)
             raise
-        rounds = speculate(target, drafter, config, speculation,
-                           eos_ids=config.end_ids(self.eos_ids), max_new_tokens=limit)
+        policy = SpeculationPolicy(speculation.policy, speculation.gamma,
+                                   self.costs.at(stats.target_prompt_tokens))
+        rounds = speculate(target, drafter, dataclasses.replace(config, max_new_tokens=limit),
+                           speculation, eos_ids=config.end_ids(self.eos_ids), policy=policy)
 
         def finish() -> None:
             if key is not None and not hit:
@@ -345,16 +354,16 @@ class RapidEngine:
             self.target.cache_pool.release(pre_t.cache)
             self.drafter.cache_pool.release(pre_d.cache)
 
-        return Run(_counted(rounds, stats), stats, limit, self.target.tokenizer, config.stop,
-                   finish)
+        return Run(_counted(rounds, stats, policy), stats, limit, self.target.tokenizer,
+                   config.stop, finish)
 
 
-def _counted(rounds, stats: RapidStats):
+def _counted(rounds, stats: RapidStats, policy: SpeculationPolicy):
     """The rounds' tokens, counting drafts and acceptances (round 0 is the first token, from the
     prefills, not a verification)."""
     try:
         for i, rnd in enumerate(rounds):
-            if i:
+            if i and rnd.drafted:  # a plain target step is not a verification round
                 stats.rounds += 1
                 stats.drafted += rnd.drafted
                 stats.accepted += rnd.accepted
@@ -364,6 +373,7 @@ def _counted(rounds, stats: RapidStats):
             yield rnd.tokens
     finally:
         rounds.close()
+        stats.policy = policy.as_dict()
 
 
 def target_greedy(engine: TurboRAGEngine, prefix: str, suffix: str, max_new_tokens: int) -> list[int]:

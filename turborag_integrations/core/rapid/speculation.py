@@ -33,6 +33,7 @@ from ..decode.sampling import AcceptRule, accept_drafts, first_token, sample
 from ..kv.cache import KVCache
 from ..settings import GenerationConfig, SpeculationConfig
 from ..transformers_api import with_cache
+from .policy import SpeculationPolicy
 
 
 @dataclass
@@ -113,21 +114,23 @@ class Round:
 
 def speculate(target: Side, drafter: Side, config: GenerationConfig,
               speculation: SpeculationConfig = SpeculationConfig(), *,
-              eos_ids: Iterable[int] = (), max_new_tokens: int | None = None,
-              generator: torch.Generator | None = None,
-              accept: AcceptRule = accept_drafts) -> Iterator[Round]:
-    """Yield rounds until max_new_tokens or an end-of-sequence token.
+              eos_ids: Iterable[int] = (), generator: torch.Generator | None = None,
+              accept: AcceptRule = accept_drafts,
+              policy: SpeculationPolicy | None = None) -> Iterator[Round]:
+    """Yield rounds until `config.max_new_tokens` or an end-of-sequence token.
 
     Between rounds both caches hold exactly the accepted sequence minus the pending tokens.
     speculation: γ, η, the residual, the adaptive draft length and the verification attention
     (`settings.SpeculationConfig`, validated there). With `min_draft_prob` a round stops
     drafting (before γ) once the drafter's probability of its own last draft falls below it:
     such a draft is likely rejected, and every draft after it is wasted drafter time.
+    policy: decides each round's γ, 0 for a plain target step (rapid/policy.py); None: `gamma`
+    every round.
     """
     gamma, eta, residual = speculation.gamma, speculation.eta, speculation.residual
     min_draft_prob = speculation.min_draft_prob
     eos = set(eos_ids)
-    limit = config.max_new_tokens if max_new_tokens is None else max_new_tokens
+    limit = config.max_new_tokens
     if generator is None:
         generator = torch.Generator()
         if config.seed is not None:
@@ -145,7 +148,8 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig,
     yield Round([token], 0, 0)
     produced = 1
     while produced < limit:
-        g = min(gamma, limit - produced - 1)
+        room = limit - produced - 1
+        g = policy.gamma_for(room) if policy is not None else min(gamma, room)
         drafts: list[int] = []
         draft_logits = []
         t0 = time.perf_counter()
@@ -182,6 +186,9 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig,
             drafter.pending = drafts[kept:n] + [verdict.token]
         else:
             drafter.pending = drafter.pending + [verdict.token]
+        t2 = time.perf_counter()
+        if policy is not None:
+            policy.observe(len(drafts), n, t1 - t0, steps, t2 - t1)
         new = drafts[:n] + [verdict.token]
         out = []
         ended = False
@@ -193,7 +200,7 @@ def speculate(target: Side, drafter: Side, config: GenerationConfig,
         out = out[:limit - produced]
         produced += len(out)
         yield Round(out, len(drafts), n, eos=ended, draft_s=t1 - t0, draft_steps=steps,
-                    verify_s=time.perf_counter() - t1)
+                    verify_s=t2 - t1)
         if ended:
             return
 
