@@ -7,9 +7,9 @@ RAPID's speed where speculation pays and fall back where it does not?
 
 Per context length (the sample documents with a needle fact, as benchmarks/rapid.py builds
 them), interleaved over `--runs` rounds: the target alone (`engine.generate(mode="naive")` over
-RAPID's own prompt), RAPID with `policy="auto"` and with `policy="always"` (fixed γ), each
-greedy to `--new-tokens` with the end-of-sequence token ignored (so every run decodes as many
-tokens), after the target's prefill is cached. Decode tokens/s are medians; a speed-up is the
+RAPID's own prompt and token ids), RAPID with `policy="auto"` and with `policy="always"` (fixed
+γ), each greedy to `--new-tokens` with the end-of-sequence token ignored (so every run decodes as
+many tokens; answers are compared up to it), after the target's prefill is cached. Decode tokens/s are medians; a speed-up is the
 median over the rounds of each run's speed over the target alone's in the same round. The auto policy learns per context length as an
 engine would: its first run at a length pays for its probe, the next ones decide at once.
 """
@@ -29,7 +29,14 @@ from rapid import QUESTION, long_document  # noqa: E402
 
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
 from turborag_integrations.core.rapid import RapidEngine  # noqa: E402
+from turborag_integrations.core.prefill.stitch import Segment  # noqa: E402
 from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
+
+
+def answer(ids: list[int], eos: set[int]) -> list[int]:
+    """The answer a user reads: the tokens before the first end of sequence (the runs decode
+    past it, so that each does the same work)."""
+    return ids[:next((i for i, t in enumerate(ids) if t in eos), len(ids))]
 
 
 def main() -> int:
@@ -40,6 +47,8 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=10)
+    ap.add_argument("--drafter-quantize", choices=["int8", "bf16"], default=None,
+                    help="the drafter's steps on reduced-precision weights")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -47,9 +56,11 @@ def main() -> int:
     target = TurboRAGEngine(args.target or args.model, progress=False)
     drafter = (TurboRAGEngine(args.drafter, store=target.store, progress=False)
                if args.drafter else target)
-    auto = RapidEngine(target, drafter, gamma=args.gamma, policy="auto")
-    always = RapidEngine(target, drafter, gamma=args.gamma, policy="always")
+    settings = dict(gamma=args.gamma, drafter_quantize=args.drafter_quantize)
+    auto = RapidEngine(target, drafter, policy="auto", **settings)
+    always = RapidEngine(target, drafter, policy="always", **settings)
     config = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
+    eos = set(target.eos_ids)
     rows = []
     for length in args.lengths:
         context = long_document(target.tokenizer, length)
@@ -58,7 +69,10 @@ def main() -> int:
         answers, policies = {}, []
         always.generate(context, QUESTION, config=config)  # caches the target's prefill
         for _ in range(args.runs):
-            alone = target.generate(prefix + suffix, mode="naive", config=config)
+            # RAPID's own token ids (prefix and suffix tokenized apart), the prefix's KV from
+            # the prefix cache RAPID filled (the same key), then the target's own decode loop
+            alone = target.generate([Segment(prefix, target.library.prefix_blob(prefix)),
+                                     Segment(suffix)], config=config, recovery="none")
             speeds["alone"].append(alone.stats.decode_tokens_per_s)
             answers["alone"] = alone.token_ids
             for name, rapid in (("auto", auto), ("always", always)):
@@ -75,10 +89,10 @@ def main() -> int:
                      "auto_speedup": statistics.median(ratios["auto"]),
                      "always_speedup": statistics.median(ratios["always"]),
                      "auto_runs": ratios["auto"], "always_runs": ratios["always"],
-                     "same_answers": answers["auto"] == answers["alone"] == answers["always"],
+                     "same_answers": len({tuple(answer(a, eos)) for a in answers.values()}) == 1,
                      "policy_last": policies[-1]})
     result = {"target": target.loaded.name, "drafter": drafter.loaded.name,
-              "gamma": args.gamma, "new_tokens": args.new_tokens, "runs": args.runs,
+              "gamma": args.gamma, "drafter_quantize": args.drafter_quantize, "new_tokens": args.new_tokens, "runs": args.runs,
               "rows": rows}
     if args.json:
         print(json.dumps(result))

@@ -211,13 +211,15 @@ def _print_rapid(answer, json_out: bool) -> dict:
               "mean_accepted": s.mean_accepted, "decode_tokens_per_s": s.decode_tokens_per_s,
               "target_prompt_tokens": s.target_prompt_tokens,
               "target_reused_tokens": s.target_reused_tokens,
-              "drafter_prompt_tokens": s.drafter_prompt_tokens}
+              "drafter_prompt_tokens": s.drafter_prompt_tokens, "policy": s.policy}
     if not json_out:
         typer.echo("\n\nsources: " + ", ".join(report["sources"]))
+        spoke = ("speculation did not pay here: the target decoded alone"
+                 if s.policy.get("switched_off") and not s.rounds
+                 else f"acceptance {s.acceptance_rate:.0%}")
         typer.echo(f"TTFT {s.ttft_s * 1000:.0f} ms (rapid); target read {s.target_prompt_tokens} "
                    f"tokens ({s.target_reused_tokens} from its prefix cache), drafter "
-                   f"{s.drafter_prompt_tokens}; acceptance {s.acceptance_rate:.0%}, "
-                   f"{s.decode_tokens_per_s:.1f} tokens/s")
+                   f"{s.drafter_prompt_tokens}; {spoke}, {s.decode_tokens_per_s:.1f} tokens/s")
     return report
 
 
