@@ -121,3 +121,15 @@ def test_where_it_does_not_pay_auto_decodes_with_the_target_alone(pair):
     # one plain step a token after the prefill's first (and one more for an end of sequence)
     assert out.stats.drafted == 0
     assert policy["plain_steps"] in (len(out.token_ids) - 1, len(out.token_ids))
+
+
+def test_a_length_judged_a_loss_is_probed_again_now_and_then():
+    from turborag_integrations.core.rapid.policy import REPROBE_EVERY
+
+    costs = Costs(step=0.10, draft=0.08, extra=0.01, accepted=1, rejected=9)
+    firsts = []
+    for _ in range(2 * REPROBE_EVERY):
+        policy = SpeculationPolicy("auto", 10, costs)
+        firsts.append(policy.gamma_for(100))
+        assert policy.gamma_for(100) == 0  # the costs still predict a loss
+    assert firsts.count(PROBE_GAMMA) == 2 and firsts.count(0) == 2 * REPROBE_EVERY - 2

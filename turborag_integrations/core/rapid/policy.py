@@ -20,7 +20,9 @@ best S, or a plain target step where no γ predicts S ≥ 1 + `MARGIN`. With not
 at this context length, an answer starts with one plain step (to time `step`) and one small
 round (`PROBE_GAMMA` drafts, to time drafting and verification cheaply); once speculation
 predicts a loss it stays off for the rest of the answer. What was measured is kept per context
-length (powers of two) for the engine's next answers, so a second answer decides at once. The
+length (powers of two) for the engine's next answers, so a second answer decides at once; every
+`REPROBE_EVERY`-th answer at a length probes once more, so that timings taken while the machine
+was busy do not decide that length for good. The
 output law is untouched: a plain step is the target's own, and a round of any γ is lossless at
 η = 0. "always" keeps the fixed γ of every round, for experiments.
 """
@@ -39,6 +41,9 @@ __all__ = ["SpeculationPolicy", "CostTable", "expected_tokens", "predicted_speed
 MARGIN = 0.05  # speculate only where the prediction beats the target alone by this much
 PROBE_GAMMA = 2  # drafts of the first round at an unmeasured length: cheap if it does not pay
 PRIOR = (1.0, 1.0)  # Beta prior on α: (accepted, rejected) pseudo-counts
+# Every this many answers at a length where speculation was judged a loss, one probe round
+# again: timings taken on a busy machine must not switch it off there for good.
+REPROBE_EVERY = 8
 SMOOTH = 0.3  # weight of a new timing in the running means
 
 
@@ -65,6 +70,7 @@ class Costs:
     extra: float | None = None
     accepted: float = 0.0
     rejected: float = 0.0
+    answers: int = 0  # answers begun at this length
 
     @property
     def alpha(self) -> float:
@@ -109,6 +115,9 @@ class SpeculationPolicy:
     predicted: float | None = None  # S of the last decision that speculated or stopped
     decisions: list[int] = field(default_factory=list)  # γ of each round, 0 for a plain step
 
+    def __post_init__(self) -> None:
+        self.costs.answers += 1
+
     def gamma_for(self, room: int) -> int:
         """Drafts for the next round, at most `room` (0: a plain target step)."""
         gamma = self._choose()
@@ -126,6 +135,8 @@ class SpeculationPolicy:
             return 0  # time the target's own step first
         if c.draft is None or c.extra is None:
             return min(PROBE_GAMMA, self.max_gamma)
+        if not self.decisions and c.answers % REPROBE_EVERY == 0:
+            return min(PROBE_GAMMA, self.max_gamma)  # this answer's first round: look again
         best = max(range(1, self.max_gamma + 1),
                    key=lambda g: predicted_speedup(g, c.alpha, c.step, c.draft, c.extra))
         self.predicted = predicted_speedup(best, c.alpha, c.step, c.draft, c.extra)
