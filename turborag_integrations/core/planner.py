@@ -29,8 +29,9 @@ import torch
 
 from .engine import TurboRAGEngine
 from .prefill.chunk_encoder import ChunkEncoder
-from .store import KVStore, StoreConfig
+from .store import KVStore, StoreConfig, default_store_path
 from .store.budget import format_size, requested, resolve
+from .store.codec import STORAGE_DTYPES
 
 __all__ = ["CorpusShape", "Calibration", "calibrate", "plan", "describe"]
 
@@ -113,9 +114,9 @@ def calibrate(engine: TurboRAGEngine, shape: CorpusShape, *, storage_dtype: str 
               seed: int = 0) -> Calibration:
     """Measure a blob's bytes and the encoding time of `shape`'s chunks with `engine`'s model
     and chunk encoder (a few forwards: one batch of chunks, one of lead blobs)."""
-    if storage_dtype not in _storage_dtypes():
+    if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage_dtype {storage_dtype!r}: use one of "
-                         f"{', '.join(_storage_dtypes())}")
+                         f"{', '.join(STORAGE_DTYPES)}")
     encoder = engine.library.encoder
     room = encoder.max_chunk_tokens - encoder.base_position - shape.context_tokens
     if shape.chunk_tokens > room:
@@ -140,12 +141,6 @@ def calibrate(engine: TurboRAGEngine, shape: CorpusShape, *, storage_dtype: str 
                        chunk_s, lead_s, batch)
 
 
-def _storage_dtypes() -> tuple[str, ...]:
-    from .store.codec import STORAGE_DTYPES
-
-    return STORAGE_DTYPES
-
-
 def plan(shape: CorpusShape, calibration: Calibration, store: StoreConfig | None = None,
          *, root: str | Path | None = None) -> dict:
     """The corpus's bytes per tier and its encoding time, from `calibration` (same chunk
@@ -155,7 +150,7 @@ def plan(shape: CorpusShape, calibration: Calibration, store: StoreConfig | None
                          f"tokens, not {shape.chunk_tokens}: calibrate this shape")
     store = store or StoreConfig(storage_dtype=calibration.storage_dtype)
     corpus = shape.blobs * calibration.blob_bytes
-    where = Path(root) if root is not None else _default_root()
+    where = Path(root) if root is not None else default_store_path()
     existing = next(p for p in (where, *where.parents) if p.exists())
     disk_budget, _ = resolve(requested(store.disk_bytes, store.prefix_bytes),
                              free=shutil.disk_usage(existing).free, held=0)
@@ -176,12 +171,6 @@ def plan(shape: CorpusShape, calibration: Calibration, store: StoreConfig | None
             "blobs": shape.blobs, "corpus_bytes": corpus,
             "bytes_per_token": calibration.blob_bytes / shape.chunk_tokens,
             "encode_hours": seconds / 3600, "tiers": tiers}
-
-
-def _default_root() -> Path:
-    from .store.config import default_store_path
-
-    return default_store_path()
 
 
 def describe(report: dict) -> list[str]:
