@@ -360,11 +360,10 @@ def test_a_request_is_checked_in_one_place():
 
 def test_a_recovery_spec_is_parsed_where_a_setting_is_made():
     """A recovery spec is parsed into a typed `Recovery` where a setting is made: an engine's
-    default (`QueryConfig`), a request's (`Request`), the engine's low-level `prefill` (whose
-    assembly takes a Recovery or a spec), and the vLLM connector's claim (no engine there).
-    Every other surface checks a spec by making a Request, and hands the parsed one on."""
+    default (`QueryConfig`), a request's (`Request`), and the vLLM connector's claim (no
+    engine there). Every other surface checks a spec by making a Request and hands the parsed
+    one on; the engine's low-level `prefill` takes only a parsed one."""
     assert _calls("parse_recovery") == [
-        f"{PACKAGE}/core/assembly.py: PromptAssembly.recovery_for",
         f"{PACKAGE}/core/config.py: QueryConfig.__post_init__",
         f"{PACKAGE}/core/request.py: Request.__post_init__",
         f"{PACKAGE}/vllm/claim.py: {_claim_parser()}",

@@ -286,3 +286,18 @@ def test_views_of_quiet_namespaces_are_let_go_and_share_one_key_cache(tiny, tmp_
         assert held.generate(prompt, chunks=CHUNKS[:1], config=config).stats.cache_hits == 1
     assert engine.namespaced("acme/s1").library.chunk_key(CHUNKS[0]) != key
     engine.close()
+
+
+def test_low_level_prefill_takes_a_parsed_recovery_only(engine):
+    """A spec is parsed where a setting is made (a Request, the engine's QueryConfig); the
+    low-level prefill, which no setting passes through, refuses a string and says what to pass."""
+    engine.encode_chunks(CHUNKS[:1])
+    segments = engine.assembly.segments("Q: " + CHUNKS[0] + "\nA:", CHUNKS[:1])[0]
+    with pytest.raises(TypeError, match=r"parse_recovery\('first'\)"):
+        engine.prefill(segments, recovery="first")
+    from turborag_integrations.core.prefill.recovery import parse_recovery
+
+    first = engine.prefill(segments, recovery=parse_recovery("first")).plan.reused_tokens
+    none = engine.prefill(segments, recovery=parse_recovery("none")).plan.reused_tokens
+    (chunk,) = [s for s in segments if s.blob is not None and s.text == CHUNKS[0]]
+    assert none - first == chunk.blob.num_tokens  # the chunk recomputed, the cached head kept

@@ -6,6 +6,7 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.settings import GenerationConfig
+from turborag_integrations.core.prefill.recovery import parse_recovery
 
 HEAD = "<s>system\nUse the context to answer.</s>\n<s>user\nContext:\n"
 CHUNKS = ["Alice was born in Paris in 1901 and moved to Lyon.",
@@ -41,7 +42,7 @@ def test_first_chunk_after_a_known_head_is_the_full_prefill(engine):
     other = TurboRAGEngine(engine.loaded, store=engine.store, recovery="none")  # no prompt heads
     usual, segments = last_logits(other, prompt, CHUNKS)
     assert not any(other.library.is_lead(s.blob) for s in segments)
-    recomputed, _ = last_logits(other, prompt, CHUNKS, recovery="first")
+    recomputed, _ = last_logits(other, prompt, CHUNKS, recovery=parse_recovery("first"))
     torch.testing.assert_close(lead, recomputed, atol=1e-4, rtol=0)
     assert (usual - recomputed).abs().max() > 1e-3  # the usual first blob is not exact
 

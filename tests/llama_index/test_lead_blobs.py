@@ -10,6 +10,7 @@ from llama_index.core.schema import TextNode
 
 from tests.conftest import tiny_model
 from turborag_integrations.core.engine import TurboRAGEngine
+from turborag_integrations.core.prefill.recovery import parse_recovery
 from turborag_integrations.llama_index import KVCachingVectorStore, TurboRAGLLM
 
 TEXTS = ["The Tall Widow lighthouse stands 41 metres high on the cliffs of Velmora.",
@@ -63,7 +64,7 @@ def test_every_chunk_gets_its_lead_blob_at_ingestion(tmp_path, embed_model):
     # three chunks: the first is exact, as recomputing it would make it
     recomputed = logits(TurboRAGEngine(engine.loaded, store=engine.store,
                                        recovery="none"), prompt, texts,
-                        recovery="first")
+                        recovery=parse_recovery("first"))
     torch.testing.assert_close(logits(engine, prompt, texts), recomputed, atol=1e-4, rtol=0)
 
 

@@ -16,7 +16,7 @@ from .config import QueryConfig
 from .kv.blob import KVBlob
 from .library import ChunkLibrary
 from .prefill.anchor import CONTEXT_MARKER, VALUE_MARKER
-from .prefill.recovery import NO_RECOVERY, Recovery, SparingExact, parse_recovery, without_first
+from .prefill.recovery import NO_RECOVERY, Recovery, SparingExact, without_first
 from .prefill.reorder import question_last, user_turn_opener
 from .prefill.segment import Piece, is_separator, split_prompt, token_pieces, tokenize_with_starts
 from .prefill.stitch import Segment
@@ -120,11 +120,16 @@ class PromptAssembly:
                     else self.tokenizer(head.text, add_special_tokens=False)["input_ids"])
         return ids if ids in heads else None
 
-    def recovery_for(self, segments: Sequence[Segment], recovery=None) -> Recovery:
-        """The recovery that prefill runs for `segments`: `recovery` parsed (None: the
-        configured one), and where the first chunk is a lead blob (exact already), less its
-        first-chunk part, the other parts sparing that chunk's tokens."""
-        recovery = parse_recovery(recovery)
+    def recovery_for(self, segments: Sequence[Segment],
+                     recovery: Recovery | None = None) -> Recovery:
+        """The recovery that prefill runs for `segments`: `recovery` (None: the configured
+        one), and where the first chunk is a lead blob (exact already), less its first-chunk
+        part, the other parts sparing that chunk's tokens. A spec is parsed where a setting is
+        made (`Request`, `QueryConfig`), not here."""
+        if recovery is not None and not isinstance(recovery, Recovery):
+            raise TypeError(f"a prefill takes a parsed recovery, not {recovery!r}: pass "
+                            f"parse_recovery({recovery!r}), or give the spec to "
+                            "engine.generate / engine.stream / Request")
         if recovery is None:
             recovery = self.query.recovery
         if isinstance(recovery, SparingExact):  # resolved already

@@ -204,7 +204,10 @@ class TurboRAGEngine:
 
     # ---- generation -------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Segment], *, reserve: int = 0,
-                recovery=None) -> Prefill:
+                recovery: Recovery | None = None) -> Prefill:
+        """The low-level prefill of `segments` (`engine.assembly.segments(prompt, chunks)`):
+        a cache ready to decode from. `recovery`: a parsed `Recovery` (`parse_recovery("first")`);
+        None runs the engine's own."""
         plan = plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint,
                            context_window=self.context_window)
         room = self.context_window - plan.next_position

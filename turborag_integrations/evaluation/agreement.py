@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..core.request import Request
 from ..core.transformers_api import with_cache
 
 
@@ -51,6 +52,8 @@ def reply_logits(engine, prompt, reply_ids: Sequence[int], *, chunks: Iterable[s
         segments, _, _ = engine.assembly.segments(prompt, chunks if mode == "turbo" else ())
     else:  # ready segments
         segments = list(prompt)
+    if mode == "turbo" and isinstance(recovery, str):
+        recovery = Request("", recovery=recovery).recovery  # parsed where requests parse it
     pre = engine.prefill(segments, reserve=n + 1,
                          recovery=recovery if mode == "turbo" else None)
     try:
