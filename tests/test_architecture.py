@@ -30,7 +30,7 @@ GROUPS = {
     "retrieval": [f"{CORE}.retrieval"],
     "model": [f"{CORE}.models", f"{CORE}.bundled", f"{CORE}.checkpoint"],
     "store": [f"{CORE}.store"],
-    "engine": [f"{CORE}.engine", f"{CORE}.assembly", f"{CORE}.planner", f"{CORE}.config", f"{CORE}.shared", f"{CORE}.library",
+    "engine": [f"{CORE}.engine", f"{CORE}.admission", f"{CORE}.assembly", f"{CORE}.planner", f"{CORE}.config", f"{CORE}.shared", f"{CORE}.library",
                f"{CORE}.request", f"{CORE}.run",
                f"{CORE}.registry", f"{CORE}.async_iter", f"{CORE}.batching", f"{CORE}.batch_worker",
                f"{CORE}.scheduled", f"{CORE}.prompt_template"],

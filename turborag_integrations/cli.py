@@ -363,6 +363,11 @@ def serve(
                                       "where the chunks go; every chunk is also encoded after "
                                       "its head, so a prompt's first chunk is exact (lead blobs, "
                                       "docs/serving.md)"),
+    admit_after: Optional[int] = typer.Option(None, "--admit-after", show_default=False,
+                                              help="a hot set: ingestion only indexes texts, "
+                                              "and a chunk's blob is encoded in the background "
+                                              "on its K-th retrieval (1: on first use; default: "
+                                              "every chunk at ingestion; docs/kv_store.md)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -400,7 +405,8 @@ def serve(
     try:
         engine_config = EngineConfig().with_settings(
             encoder=encoder, recovery=recovery, question_last=question_last, device=device,
-            dtype=dtype, **({} if context_tokens is None else {"context_tokens": context_tokens}))
+            dtype=dtype, admit_after=admit_after,
+            **({} if context_tokens is None else {"context_tokens": context_tokens}))
         server = ServerConfig(mode=mode, max_batch=max_batch, max_queue=max_queue,
                               max_body_bytes=body_limit, api_key=api_key,
                               keys=KeyFile(keys) if keys is not None else None)  # fails early

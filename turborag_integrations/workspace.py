@@ -282,11 +282,13 @@ class Workspace:
             if chunks:
                 # Blobs first, then Chroma: a file counts as done only once both are written,
                 # so an interrupted ingestion redoes it (its blobs are found and skipped).
-                self.engine.encode_chunks(
-                    chunks, doc_ids=[doc_id] * len(chunks),
-                    contexts=document_contexts(chunks, self.engine.library.encoder.context_tokens),
-                    progress=lambda done, total, path=path, n=n, base=before, size=size:
-                        report(path, n - 1, base + size * done // max(total, 1)))
+                if self.engine.encodes_at_ingestion:  # else the hot set's (core/admission.py)
+                    self.engine.encode_chunks(
+                        chunks, doc_ids=[doc_id] * len(chunks),
+                        contexts=document_contexts(chunks,
+                                                   self.engine.library.encoder.context_tokens),
+                        progress=lambda done, total, path=path, n=n, base=before, size=size:
+                            report(path, n - 1, base + size * done // max(total, 1)))
                 vectors = self.embedder.encode(chunks, normalize_embeddings=True).tolist()
                 self.collection.add(
                     ids=[f"{digest}-{i}" for i in range(len(chunks))], documents=chunks,

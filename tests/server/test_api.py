@@ -317,3 +317,31 @@ def test_chunks_are_encoded_after_the_contexts_sent_with_them(tmp_path):
     enc = engine.library.encoder
     assert engine.library.blob_for(texts[0]).base_position == enc.base_position
     assert engine.library.blob_for(texts[1]).base_position == enc.base_position + 16
+
+
+def test_a_hot_set_server_indexes_at_ingestion_and_encodes_on_the_kth_use(tmp_path):
+    """`turborag serve --admit-after 2`: ingestion only indexes the texts; the second request
+    that retrieves them queues their encoding, which /metrics counts; the third reuses them."""
+    from turborag_integrations.core.engine import TurboRAGEngine
+
+    from .conftest import make_engine
+
+    base = make_engine(tmp_path)
+    engine = TurboRAGEngine(base.loaded, store=base.store, progress=False, admit_after=2)
+    with TestClient(create_app(engine)) as client:
+        r = client.post("/v1/turborag/chunks", json={"texts": DOCS[:2]})
+        assert r.status_code == 200 and r.json()["keys"] == [None, None]
+        assert r.json()["indexed"] == 2 and engine.store.stats().writes == 0
+        model = engine.loaded.name
+        figures = [chat(client, model, rag_messages(DOCS[:2]), max_tokens=2).json()["turborag"]
+                   for _ in range(2)]
+        assert all(f["cache_misses"] == 2 for f in figures)
+        assert engine.admission.drain(30)
+        third = chat(client, model, rag_messages(DOCS[:2]), max_tokens=2).json()["turborag"]
+        assert third["cache_hits"] == 2
+        samples = dict(line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines()
+                       if not line.startswith("#"))
+        assert float(samples["turborag_admission_queued_total"]) == 2
+        assert float(samples["turborag_admission_encoded_total"]) == 2
+        assert float(samples["turborag_admission_pending"]) == 0
+    engine.close()

@@ -24,7 +24,7 @@ DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
             "recovery": str(parse_recovery(DEFAULT_RECOVERY)), "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
             "question_last": False, "context_tokens": DEFAULT_CONTEXT_TOKENS, "prompts": [],
-            "device": "cpu", "dtype": "float32"}
+            "device": "cpu", "dtype": "float32", "admit_after": None}
 
 
 def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
@@ -34,6 +34,7 @@ def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
             "prompts": prompts, "encoder": config.encoding.encoder,
             "recovery": str(config.query.recovery), "question_last": config.query.question_last,
             "context_tokens": config.encoding.context_tokens, "device": config.model.device,
+            "admit_after": config.admission.admit_after,
             "dtype": config.model.dtype, "mode": server.mode, "max_batch": server.max_batch,
             "max_queue": server.max_queue, "max_body_bytes": server.max_body_bytes,
             "api_key": server.api_key, "keys": server.keys}
@@ -51,12 +52,13 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
                                  "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1",
-                                 "--question-last", "--context-tokens", "256"])
+                                 "--question-last", "--context-tokens", "256",
+                                 "--admit-after", "2"])
     assert result.exit_code == 0, result.output
     assert {**calls[1], "store": str(calls[1]["store"])} == {
         **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
         "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
-        "question_last": True, "context_tokens": 256}
+        "question_last": True, "context_tokens": 256, "admit_after": 2}
     chat = tmp_path / "rag.json"
     messages = [{"role": "system", "content": "Answer from the context."},
                 {"role": "user", "content": "Context:\n{context}\n\nQuestion: {question}"}]
@@ -86,7 +88,8 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
                        (["--device", "cuda:7"], "--device: device 'cuda:7' is not available"),
                        (["--device", "gpu"], "--device: unknown device 'gpu'"),
                        (["--dtype", "half"], "--dtype: unknown dtype 'half'"),
-                       (["--recovery", "fancy:3"], "--recovery: unknown recovery 'fancy:3'")):
+                       (["--recovery", "fancy:3"], "--recovery: unknown recovery 'fancy:3'"),
+                       (["--admit-after", "0"], "admit_after must be an integer ≥ 1")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
     for args, says in ((["--prompt", "missing.txt"], "cannot read the prompt template"),

@@ -12,6 +12,8 @@
   fingerprint or key, so blobs made under one never answer for another.
 - `QueryConfig`: how a turbo request is stitched and recovered at query time. Nothing here
   touches a stored blob: two engines that differ only here share a store.
+- `AdmissionConfig` (core/admission.py): which chunks get a blob — all at ingestion, or a hot
+  set encoded in the background on a chunk's k-th retrieval.
 
 The engine's flat keywords (`TurboRAGEngine(context_tokens=0)`) are the fields of these
 dataclasses, routed by `EngineConfig.with_settings` to the concern that owns them, as vLLM's
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .admission import AdmissionConfig
 from .models import ModelConfig
 from .prefill.anchor import DEFAULT_ANCHOR
 from .prefill.context import DEFAULT_CONTEXT_TOKENS
@@ -34,7 +37,7 @@ from .prefill.encoding import LearnedEncoding
 from .prefill.recovery import NO_RECOVERY, Recovery, parse_recovery
 from .settings import DEFAULT_RECOVERY
 
-__all__ = ["EngineConfig", "EncodingConfig", "ModelConfig", "QueryConfig"]
+__all__ = ["AdmissionConfig", "EngineConfig", "EncodingConfig", "ModelConfig", "QueryConfig"]
 
 
 @dataclass(frozen=True)
@@ -101,16 +104,19 @@ class QueryConfig:
         object.__setattr__(self, "recovery", parse_recovery(self.recovery) or NO_RECOVERY)
 
 
-_CONCERNS = {"model": ModelConfig, "encoding": EncodingConfig, "query": QueryConfig}
+_CONCERNS = {"model": ModelConfig, "encoding": EncodingConfig, "query": QueryConfig,
+             "admission": AdmissionConfig}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """An engine's whole configuration: the model, the encoding, the query-time stitching."""
+    """An engine's whole configuration: the model, the encoding, the query-time stitching,
+    which chunks get a blob."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     encoding: EncodingConfig = field(default_factory=EncodingConfig)
     query: QueryConfig = field(default_factory=QueryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     @staticmethod
     def setting_names() -> dict[str, str]:

@@ -12,6 +12,7 @@ import copy
 import threading
 from typing import Callable, Iterable, Sequence
 
+from .admission import Admission
 from .config import EngineConfig
 from .decode.loop import decode_loop, eos_token_ids, now
 from .decode.selfspec import DraftStats
@@ -62,9 +63,10 @@ class TurboRAGEngine:
         context_tokens=0, recovery="select:0.2")`. Each is described on its dataclass:
         `ModelConfig` (device, dtype, progress, model_kwargs, tokenizer_kwargs),
         `EncodingConfig` (anchor, encoder, context_tokens, prompt_heads, batch_size: part of
-        every blob's fingerprint), and `QueryConfig` (recovery, question_last, separators,
-        cache_prefix, prefetch). A bad value or an unknown name fails here, before the model
-        loads.
+        every blob's fingerprint), `QueryConfig` (recovery, question_last, separators,
+        cache_prefix, prefetch), and `AdmissionConfig` (admit_after: a hot set encoded on a
+        chunk's k-th retrieval instead of every chunk at ingestion, core/admission.py). A bad
+        value or an unknown name fails here, before the model loads.
         """
         self.config = (config or EngineConfig()).with_settings(**settings)
         encoding = self.config.encoding
@@ -94,6 +96,8 @@ class TurboRAGEngine:
             ChunkEncoder(self.model, self.tokenizer, model_fp, batch_size=encoding.batch_size),
             root_store.namespace(namespace))
         self.assembly = PromptAssembly(self.library, self.tokenizer, self.config.query)
+        # one for the engine and its namespace views: each admission names its own library
+        self.admission = Admission(self.config.admission)
         for head in encoding.prompt_heads:
             self.library.add_prompt_head(head)
 
@@ -116,6 +120,13 @@ class TurboRAGEngine:
     def anchor(self) -> str:
         """What chunks are encoded after (`EncodingConfig.anchor`)."""
         return self.config.encoding.anchor
+
+    @property
+    def encodes_at_ingestion(self) -> bool:
+        """Whether ingestion stores blobs (the default), or leaves them to the hot set, which
+        encodes a chunk on its `admit_after`-th retrieval (core/admission.py). The adapters'
+        vector stores ask this before encoding."""
+        return not self.admission.enabled
 
     @property
     def recovery(self) -> Recovery:
@@ -150,7 +161,10 @@ class TurboRAGEngine:
             return root._views.get(key, view)
 
     def close(self) -> None:
-        """Close the KV store if this engine opened it (a store passed in stays open)."""
+        """Stop the hot set's encoder (a view leaves it to its engine), and close the KV store
+        if this engine opened it (a store passed in stays open)."""
+        if getattr(self, "_root", self) is self:
+            self.admission.close()
         if self._owns_store:
             self.store.namespace("").close()  # the whole store, every namespace's with it
 
@@ -262,6 +276,9 @@ class TurboRAGEngine:
                                 config.draft_tokens + 1 if config.draft else 0)
         recovery = self.assembly.recovery_for(segments, request.recovery)  # once, for both
         pre = self.prefill(segments, reserve=reserve, recovery=recovery)
+        if mode == "turbo":
+            # the hot set counts the retrieval and queues what it admits; it never blocks
+            self.admission.saw(self.library, request.chunks)
         plan = pre.plan
         stats = stats if stats is not None else GenerationStats(mode=mode)
         # assembly = finding and loading the blobs + re-rotating and concatenating them

@@ -242,7 +242,8 @@ class KVCachingVectorStore(VectorStore):
                 contexts: Sequence[str | None]) -> list[str | None]:
         todo = [i for i, t in enumerate(texts) if t and t.strip()]
         keys: list[str | None] = [None] * len(texts)
-        if todo:
+        # a hot set encodes a chunk on its k-th retrieval instead (core/admission.py)
+        if todo and self.engine.encodes_at_ingestion:
             encoded = self.engine.encode_chunks([texts[i] for i in todo],
                                                 doc_ids=[doc_ids[i] for i in todo],
                                                 contexts=[contexts[i] for i in todo],

@@ -127,6 +127,10 @@ class KVCachingVectorStore(EngineBound, BasePydanticVectorStore):
                 todo.append((i, node, text))
         if not todo:
             return keys
+        if not self._engine.encodes_at_ingestion:
+            # a hot set: the engine encodes a chunk on its k-th retrieval (core/admission.py)
+            self._register([text for _, _, text in todo])
+            return keys
         show = self.show_progress
         if show is None:
             show = len(todo) >= self.progress_threshold

@@ -104,7 +104,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     scheduler = BatchScheduler(engine, max_batch=config.max_batch)
     metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
                       decode_steps=lambda: scheduler.steps, decode_rows=lambda: scheduler.rows,
-                      indexed_chunks=lambda: service.indexed)
+                      indexed_chunks=lambda: service.indexed, admission=engine.admission)
     service = Service(engine, finder, scheduler, metrics, config)
     started = int(time.time())
 

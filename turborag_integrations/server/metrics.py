@@ -110,7 +110,9 @@ class Metrics:
 
     def __init__(self, *, queue_depth: Callable[[], float], batch_size: Callable[[], float],
                  decode_steps: Callable[[], float], decode_rows: Callable[[], float],
-                 indexed_chunks: Callable[[], float]):
+                 indexed_chunks: Callable[[], float], admission=None):
+        """admission: the engine's hot set (core/admission.py), whose figures render when it is
+        on."""
         self._lock = threading.Lock()
         self.in_flight = 0
         self.requests = Counter("turborag_requests_total", "HTTP requests answered.",
@@ -153,6 +155,20 @@ class Metrics:
             Gauge("turborag_indexed_chunks", "Chunk texts the server looks for in prompts.",
                   indexed_chunks),
         ]
+        if admission is not None and admission.enabled:
+            stats = admission.stats
+            self.gauges += [
+                Gauge("turborag_admission_pending", "Admitted chunks waiting for (or in) the "
+                      "background encoder.", lambda: admission.queued_now),
+                *(Gauge(f"turborag_admission_{name}_total", help,
+                        lambda name=name: getattr(stats, name), kind="counter")
+                  for name, help in (
+                      ("retrievals", "Retrieved chunks counted by the hot set."),
+                      ("queued", "Chunk encodes queued on a k-th retrieval."),
+                      ("dropped", "Admissions dropped because the encode queue was full."),
+                      ("encoded", "Admitted chunks encoded and stored in the background."),
+                      ("failed", "Background encodes that failed (the chunk stays "
+                                 "prefilled).")))]
 
     def _hit_ratio(self) -> float:
         hits = self.totals["cache_hits"].values[()]

@@ -274,8 +274,11 @@ class Service:
                       contexts: list[str | None] | None = None) -> tuple[list[str], int]:
         """Encode one encoder batch on the model's thread (the requests in flight decode between
         two batches), then index it on a lookup thread."""
-        keys = await asyncio.wrap_future(self.scheduler.call(
-            lambda: view.encode_chunks(texts, doc_ids=doc_ids, contexts=contexts)))
+        if view.encodes_at_ingestion:
+            keys = await asyncio.wrap_future(self.scheduler.call(
+                lambda: view.encode_chunks(texts, doc_ids=doc_ids, contexts=contexts)))
+        else:  # a hot set: blobs come on a chunk's k-th retrieval (core/admission.py)
+            keys = [None] * len(texts)
         added = await asyncio.get_running_loop().run_in_executor(self.lookups, finder.add, texts)
         return keys, added
 
