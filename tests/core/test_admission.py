@@ -158,3 +158,27 @@ def test_off_by_default(tiny_llama, tmp_path):
     ask(engine)
     assert engine.admission.stats.retrievals == 0
     assert isinstance(engine.admission, Admission) and not engine.admission.enabled
+
+
+def test_a_mostly_cold_prompt_is_prefilled_whole_and_a_warm_one_stitched(tiny_llama, tmp_path):
+    """Where retrieved chunks have no blob and stitching the rest would cost more than a full
+    prefill (core/prefill/cost.py), the engine prefills the prompt whole: the exact answer."""
+    from turborag_integrations.core.prefill.cost import stitching_pays
+
+    long = ["Alice was born in Paris in 1901 and moved to Lyon in 1920. " * 3,
+            "Bob keeps three red bicycles in a shed behind the old mill. " * 3,
+            "Carol teaches chemistry at the village school on Tuesdays. " * 3]
+    prompt = "Context:\n" + "\n".join(long) + "\nQ: where was Alice born?\nA:"
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", recovery="select:0.15")
+    naive = engine.generate(prompt, config=CONFIG, mode="naive")
+    engine.encode_chunks(long[:1])  # one chunk of three has a blob
+    cold = engine.generate(prompt, chunks=long, config=CONFIG)
+    segments = engine.assembly.segments(prompt, long)[0]
+    assert not stitching_pays(engine._plan(segments), engine.recovery)
+    assert cold.stats.cache_misses == 2 and cold.stats.reused_tokens == 0
+    assert "full_prefill" in cold.stats.extra
+    assert cold.token_ids == naive.token_ids
+    engine.encode_chunks(long)
+    warm = engine.generate(prompt, chunks=long, config=CONFIG)
+    assert warm.stats.cache_hits == 3 and warm.stats.reused_tokens > 0
+    assert "full_prefill" not in warm.stats.extra

@@ -129,7 +129,7 @@ def run_together(scheduler: BatchScheduler, jobs, consume=None) -> list:
 def hold_first_prefill(engine, monkeypatch, scheduler: BatchScheduler, others: int):
     """Keep the worker in the first prefill until `others` requests wait behind it, so that
     they are admitted together and decode in one batch."""
-    prefill, seen = engine.prefill, []
+    prefill, seen = engine._prefill, []
 
     def held(*args, **kwargs):
         if not seen:
@@ -140,7 +140,7 @@ def hold_first_prefill(engine, monkeypatch, scheduler: BatchScheduler, others: i
                 threading.Event().wait(0.005)
         return prefill(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "prefill", held)
+    monkeypatch.setattr(engine, "_prefill", held)
 
 
 def test_eight_requests_decoded_together_equal_their_solo_answers(engine, monkeypatch):
@@ -186,14 +186,14 @@ def test_a_closed_stream_leaves_the_batch_and_frees_its_row(engine, monkeypatch)
     jobs = [(prompt(i), GenerationConfig(max_new_tokens=40)) for i in range(4)]
     solo = [engine.generate(text, chunks=CHUNKS, config=config) for text, config in jobs]
     caches, released, left = [], [], []
-    prefill, release, leave = engine.prefill, engine.cache_pool.release, BatchArena.leave
+    prefill, release, leave = engine._prefill, engine.cache_pool.release, BatchArena.leave
 
     def recording_prefill(*args, **kwargs):
         pre = prefill(*args, **kwargs)
         caches.append(pre.cache)
         return pre
 
-    monkeypatch.setattr(engine, "prefill", recording_prefill)
+    monkeypatch.setattr(engine, "_prefill", recording_prefill)
     monkeypatch.setattr(engine.cache_pool, "release",
                         lambda cache: (released.append(cache), release(cache)))
     monkeypatch.setattr(BatchArena, "leave",
@@ -342,8 +342,8 @@ def test_a_call_cancelled_before_it_starts_does_not_run(engine):
 
 def test_a_withdrawn_request_is_never_prefilled_and_one_in_the_batch_leaves_it(engine,
                                                                                monkeypatch):
-    prefills, prefill = [], engine.prefill
-    monkeypatch.setattr(engine, "prefill",
+    prefills, prefill = [], engine._prefill
+    monkeypatch.setattr(engine, "_prefill",
                         lambda *a, **k: (prefills.append(1), prefill(*a, **k))[1])
     config = GenerationConfig(max_new_tokens=200)
     alone = engine.generate(prompt(0), chunks=CHUNKS, config=config)
@@ -503,8 +503,8 @@ def test_a_request_is_answered_in_its_namespace(tiny, tmp_path):
 
 
 def test_abort_by_id_frees_the_place_of_a_queued_and_of_a_running_request(engine, monkeypatch):
-    prefills, prefill = [], engine.prefill
-    monkeypatch.setattr(engine, "prefill",
+    prefills, prefill = [], engine._prefill
+    monkeypatch.setattr(engine, "_prefill",
                         lambda *a, **k: (prefills.append(1), prefill(*a, **k))[1])
     config = GenerationConfig(max_new_tokens=200)
     alone = engine.generate(prompt(0), chunks=CHUNKS, config=config).token_ids

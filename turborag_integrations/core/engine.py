@@ -25,9 +25,10 @@ from .models import LoadedModel, load_model
 from .prefill.anchor import anchor_ids, anchor_text
 from .prefill.chunk_encoder import ChunkEncoder
 from .prefill.encoding import resolve_encoder
-from .prefill.recovery import Recovery
+from .prefill.cost import stitching_pays
+from .prefill.recovery import NO_RECOVERY, Recovery
 from .prefill.rope import KeyRotator
-from .prefill.stitch import Prefill, Segment, plan_prompt, prefill
+from .prefill.stitch import Prefill, Segment, StitchPlan, plan_prompt, prefill
 from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, GenerationConfig
@@ -220,17 +221,22 @@ class TurboRAGEngine:
     def prefill(self, segments: Sequence[Segment], *, reserve: int = 0,
                 recovery: Recovery | None = None) -> Prefill:
         """The low-level prefill of `segments` (`engine.assembly.segments(prompt, chunks)`):
-        a cache ready to decode from. `recovery`: a parsed `Recovery` (`parse_recovery("first")`);
-        None runs the engine's own."""
-        plan = plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint,
+        a cache ready to decode from, stitched as asked whatever it costs. `recovery`: a parsed
+        `Recovery` (`parse_recovery("first")`); None runs the engine's own."""
+        return self._prefill(self._plan(segments), reserve,
+                             self.assembly.recovery_for(segments, recovery))
+
+    def _plan(self, segments: Sequence[Segment]) -> StitchPlan:
+        return plan_prompt(segments, self.tokenizer, fingerprint=self.fingerprint,
                            context_window=self.context_window)
+
+    def _prefill(self, plan: StitchPlan, reserve: int, recovery: Recovery) -> Prefill:
         room = self.context_window - plan.next_position
         # One slot per new token, none past the window: `prefill` also counts these as positions
         # for dynamic RoPE, which fits exactly the window (the last new token is never fed back,
         # so decoding writes fewer; drafts stay within the new tokens).
         return prefill(self.model, plan, self.rotator, extra_capacity=min(reserve, room),
-                       pool=self.cache_pool,
-                       recovery=self.assembly.recovery_for(segments, recovery))
+                       pool=self.cache_pool, recovery=recovery)
 
     def stream(self, prompt: str | Sequence[Segment], *, chunks: Iterable[str] = (),
                config: GenerationConfig | None = None, mode: str = "turbo",
@@ -275,7 +281,17 @@ class TurboRAGEngine:
         reserve = reserve_slots(config.max_new_tokens,
                                 config.draft_tokens + 1 if config.draft else 0)
         recovery = self.assembly.recovery_for(segments, request.recovery)  # once, for both
-        pre = self.prefill(segments, reserve=reserve, recovery=recovery)
+        plan = self._plan(segments)
+        # Where retrieved chunks have no blob (a cold store, a hot set warming up) and too few
+        # have one for stitching to be faster, the prompt is prefilled whole: faster, and the
+        # exact answer besides (core/prefill/cost.py). A prompt whose chunks all have blobs is
+        # stitched as asked.
+        full_instead = (mode == "turbo" and misses > 0 and bool(plan.spans)
+                        and not stitching_pays(plan, recovery))
+        if full_instead:
+            plan = self._plan([Segment("".join(s.text for s in segments))])
+            recovery = NO_RECOVERY
+        pre = self._prefill(plan, reserve, recovery)
         if mode == "turbo":
             # the hot set counts the retrieval and queues what it admits; it never blocks
             self.admission.saw(self.library, request.chunks)
@@ -287,7 +303,9 @@ class TurboRAGEngine:
         stats.prompt_tokens = len(plan.token_ids)
         stats.reused_tokens, stats.prefilled_tokens = plan.reused_tokens, plan.prefilled_tokens
         stats.cache_hits, stats.cache_misses = hits, misses
-        if mode == "turbo" and any(self.library.is_lead(s.blob) for s in segments):
+        if full_instead:
+            stats.extra["full_prefill"] = "stitching would be slower: too few chunks have a blob"
+        elif mode == "turbo" and any(self.library.is_lead(s.blob) for s in segments):
             stats.extra["lead_blob"] = True  # the first chunk is the full prefill's KV
         if isinstance(prompt, str) and "".join(s.text for s in segments) != prompt:
             stats.extra["question_last"] = True  # the chunks were moved before the question

@@ -84,6 +84,14 @@ class Recovery:
 
     name = "none"
 
+    def recomputed_share(self) -> float:
+        """About what share of the chunk tokens this recomputes (for the cost rule below)."""
+        return 0.0
+
+    def probes(self) -> bool:
+        """Whether choosing the tokens runs a forward of the plain tokens first."""
+        return False
+
     def select(self, model, plan: StitchPlan, rotator, pool=None) -> list[int]:
         return []
 
@@ -166,6 +174,9 @@ class SelectiveRecompute(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return f"blend:{self.ratio:g}" + (f"@{self.layer}" if self.layer != 1 else "")
 
+    def recomputed_share(self) -> float:
+        return self.ratio
+
     def select(self, model, plan, rotator, pool=None) -> list[int]:
         spans = _chunk_spans(plan)
         cached = sum(s.blob.num_tokens for s in spans)
@@ -216,6 +227,12 @@ class QueryAwareRecompute(Recovery):
         bounds = (self.low, self.high, self.mass) != (AUTO_LOW, AUTO_HIGH, AUTO_MASS)
         return "select:auto" + (f":{self.low:g}-{self.high:g}" if bounds else "")
 
+    def recomputed_share(self) -> float:
+        return self.high if self.ratio is None else self.ratio
+
+    def probes(self) -> bool:
+        return True
+
     def budget(self, scores: torch.Tensor) -> int:
         """How many of the chunk tokens with these scores to recompute."""
         n = len(scores)
@@ -247,6 +264,12 @@ class Combined(Recovery):
     def name(self) -> str:  # type: ignore[override]
         return ",".join(p.name for p in self.parts) or "none"
 
+    def recomputed_share(self) -> float:
+        return min(1.0, sum(p.recomputed_share() for p in self.parts))
+
+    def probes(self) -> bool:
+        return any(p.probes() for p in self.parts)
+
     def select(self, model, plan, rotator, pool=None) -> list[int]:
         out: set[int] = set()
         for p in self.parts:
@@ -265,6 +288,12 @@ class SparingExact(Recovery):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
+
+    def recomputed_share(self) -> float:
+        return self.inner.recomputed_share()
+
+    def probes(self) -> bool:
+        return self.inner.probes()
 
     def select(self, model, plan, rotator, pool=None) -> list[int]:
         spared = {i for s in plan.spans if self.exact(s.blob)
