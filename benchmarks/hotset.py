@@ -295,6 +295,61 @@ def validate(model: str, n: int, queries: int, skew: float, budget_pct: int, cos
                                                                      "encodes")}}}
 
 
+# ---- a cold store with the encoder busy -----------------------------------------------------
+def cold_store(model: str, k: int, chunk_tokens: int, queries: int) -> dict:
+    """TTFT of prompts whose chunks all lack a blob while the hot set's encoder is kept busy
+    (admit_after=1: each request admits its k chunks, more encoding than a request's time),
+    against the full prefill of the same prompts with the encoder idle, timed before and after
+    (the two halves' medians guard against drift). With the encoder's yield to prefills, and
+    with it off (`YIELD_S = 0`), as one run."""
+    from ttft import make_chunks
+
+    from turborag_integrations.core import admission as admission_module
+    from turborag_integrations.core.engine import TurboRAGEngine
+    from turborag_integrations.core.prompt_template import render_chat
+    from turborag_integrations.core.settings import GenerationConfig
+    from turborag_integrations.core.store import KVStore
+
+    one = GenerationConfig(max_new_tokens=1)
+    out = {}
+    default = admission_module.YIELD_S
+    for label, yield_s in (("yielding", default), ("not yielding", 0.0)):
+        admission_module.YIELD_S = yield_s
+        with tempfile.TemporaryDirectory() as tmp:
+            engine = TurboRAGEngine(model, store=KVStore(tmp, memory_bytes=0), progress=False,
+                                    admit_after=1)
+            engine.warmup()
+            pool = make_chunks(engine.tokenizer, queries * k, chunk_tokens)
+            prompts = [(render_chat(engine.tokenizer, [
+                {"role": "system", "content": "Answer using only the documents."},
+                {"role": "user", "content": "Documents:\n\n" + "\n\n".join(chunks)
+                 + "\n\nQuestion: which lighthouse is the tallest?"}]), chunks)
+                for chunks in (pool[i * k:(i + 1) * k] for i in range(queries))]
+
+            def full() -> list[float]:
+                engine.admission.drain(600)
+                return [engine.generate(p, config=one, mode="naive").stats.ttft_s
+                        for p, _ in prompts]
+
+            before = full()
+            cold = []
+            for p, chunks in prompts:
+                stats = engine.generate(p, chunks=chunks, config=one).stats
+                assert stats.cache_misses == k
+                cold.append(stats.ttft_s)
+            busy = engine.admission.queued_now
+            after = full()
+            engine.close()
+        baseline = before + after
+        out[label] = {"cold_median_s": statistics.median(cold),
+                      "cold_p99_s": float(np.percentile(cold, 99)),
+                      "full_median_s": statistics.median(baseline),
+                      "full_p99_s": float(np.percentile(baseline, 99)),
+                      "encodes_waiting_at_the_end": busy}
+    admission_module.YIELD_S = default
+    return out
+
+
 def main(argv=None) -> int:
     from turborag_integrations.core.models import DEFAULT_MODEL
 
@@ -313,8 +368,21 @@ def main(argv=None) -> int:
     ap.add_argument("--validate-queries", type=int, default=1000)
     ap.add_argument("--validate-skew", type=float, default=0.9)
     ap.add_argument("--validate-budget", type=int, default=10)
+    ap.add_argument("--cold-store", type=int, metavar="Q", help="only measure Q prompts whose "
+                    "chunks all lack a blob, with the encoder busy, against the full prefill")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    if args.cold_store:
+        result = cold_store(args.model, args.k, args.chunk_tokens, args.cold_store)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            for label, r in result.items():
+                print(f"encoder {label}: cold prompts median {r['cold_median_s']:.3f} s, p99 "
+                      f"{r['cold_p99_s']:.3f} s; full prefill (encoder idle) median "
+                      f"{r['full_median_s']:.3f} s, p99 {r['full_p99_s']:.3f} s; "
+                      f"{r['encodes_waiting_at_the_end']} encodes still queued at the end")
+        return 0
     if args.k < 1 or args.chunk_tokens < 8 or any(n < 10 for n in args.corpus):
         ap.error("--k ≥ 1, --chunk-tokens ≥ 8 and every --corpus ≥ 10")
     if args.costs:

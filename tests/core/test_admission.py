@@ -182,3 +182,18 @@ def test_a_mostly_cold_prompt_is_prefilled_whole_and_a_warm_one_stitched(tiny_ll
     warm = engine.generate(prompt, chunks=long, config=CONFIG)
     assert warm.stats.cache_hits == 3 and warm.stats.reused_tokens > 0
     assert "full_prefill" not in warm.stats.extra
+
+
+def test_the_encoder_starts_nothing_while_a_request_is_prefilled(tiny_llama, tmp_path):
+    engine = hot(tiny_llama, tmp_path, admit_after=1)
+    admission = engine.admission
+    encoded = threading.Event()
+    encode = engine.library.encode_chunks
+    engine.library.encode_chunks = lambda texts, **kw: (encode(texts, **kw), encoded.set())[0]
+    with admission.prefilling():
+        admission.saw(engine.library, ["a chunk admitted during a prefill"])
+        assert not encoded.wait(0.5)  # held while the prefill runs
+        assert admission.stats.encoded == 0
+    assert encoded.wait(30)  # and encoded once it is over
+    assert admission.drain(30) and admission.stats.encoded == 1
+    engine.close()

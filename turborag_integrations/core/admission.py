@@ -12,6 +12,10 @@ once: encoding them all pays for KV nobody reads (docs/kv_store.md, "A hot set")
 - one worker thread encodes the queue, storing each blob as it is made (`ChunkLibrary.
   encode_chunks`: atomic writes, nothing partial); a request never waits for it. A full queue
   drops the newest admission (counted): the chunk is queued again on a later retrieval.
+- the worker yields to prefills: it starts no encode while a request of its engine is being
+  prefilled (the first token is what the hot set must not delay), waiting at most
+  `YIELD_S` seconds so that a busy server still makes its blobs. An encode already running
+  is not interrupted.
 - the counts decay: past `tracked` counted chunks, every count is halved and chunks left at zero
   are forgotten (TinyLFU's ageing), so memory is bounded and old popularity fades.
 
@@ -25,12 +29,13 @@ is not known at query time. Lead blobs for the registered prompt heads are made 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import queue
 import threading
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 if TYPE_CHECKING:
     from .library import ChunkLibrary
@@ -80,6 +85,7 @@ class AdmissionStats:
 
 
 _STOP = object()
+YIELD_S = 5.0  # longest wait of the encoder for a moment with no prefill running
 
 
 class Admission:
@@ -95,7 +101,9 @@ class Admission:
         self._queue: queue.Queue = queue.Queue(maxsize=config.admission_queue)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._quiet = threading.Condition(self._lock)
         self._busy = 0  # admissions queued or being encoded
+        self._prefilling = 0  # requests being prefilled now
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -129,6 +137,22 @@ class Admission:
                 continue
             self._enqueue(library, key, text)
 
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Around a request's prefill: the encoder starts nothing new meanwhile."""
+        if self.config.admit_after is None:
+            yield
+            return
+        with self._lock:
+            self._prefilling += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._prefilling -= 1
+                if not self._prefilling:
+                    self._quiet.notify_all()
+
     def _age(self) -> None:
         self._counts = {k: n // 2 for k, n in self._counts.items() if n // 2}
         self.stats.ageings += 1
@@ -156,6 +180,8 @@ class Admission:
             if item is _STOP:
                 return
             library, key, text = item
+            with self._lock:
+                self._quiet.wait_for(lambda: not self._prefilling or self._closed, YIELD_S)
             try:
                 library.encode_chunks([text])
             except Exception as exc:  # noqa: BLE001 — any failure leaves the chunk to prefill
@@ -202,5 +228,6 @@ class Admission:
         with self._lock:
             self._pending.clear()
             self._idle.notify_all()
+            self._quiet.notify_all()
         self._queue.put(_STOP)
         thread.join(timeout)

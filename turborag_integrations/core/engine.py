@@ -291,7 +291,8 @@ class TurboRAGEngine:
         if full_instead:
             plan = self._plan([Segment("".join(s.text for s in segments))])
             recovery = NO_RECOVERY
-        pre = self._prefill(plan, reserve, recovery)
+        with self.admission.prefilling():  # the hot set's encoder waits meanwhile
+            pre = self._prefill(plan, reserve, recovery)
         if mode == "turbo":
             # the hot set counts the retrieval and queues what it admits; it never blocks
             self.admission.saw(self.library, request.chunks)
