@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 BUDGETS = (1, 5, 10, 25)
-TRACKED = 100_000  # AdmissionConfig.admission_tracked's default
+TRACKED = 100_000  # the engine's counting window before a blob's size is known
 LOW_WATER = 0.9  # core/store/eviction.py
 
 

@@ -197,3 +197,26 @@ def test_the_encoder_starts_nothing_while_a_request_is_prefilled(tiny_llama, tmp
     assert encoded.wait(30)  # and encoded once it is over
     assert admission.drain(30) and admission.stats.encoded == 1
     engine.close()
+
+
+def test_the_counting_window_is_what_the_disk_budget_holds(tiny_llama, tmp_path):
+    """By default the ageing window is sized, after the first encode, to the chunk blobs the
+    disk budget holds (core/admission.py); an explicit `admission_tracked` stays."""
+    from turborag_integrations.core import admission as admission_module
+    from turborag_integrations.core.store import KVStore
+
+    store = KVStore(tmp_path / "kv", memory_bytes=0, disk_bytes="64MB", prefix_bytes="4MB")
+    engine = TurboRAGEngine(tiny_llama, store=store, recovery="none", admit_after=1)
+    assert engine.admission.tracked == admission_module.UNSIZED_TRACKED
+    ask(engine)
+    assert engine.admission.drain(30)
+    blob = engine.library.blob_for(CHUNKS[0])
+    size = blob.keys.numel() * blob.keys.element_size() * 2
+    assert engine.admission.tracked == max(admission_module.MIN_TRACKED,
+                                           (64_000_000 - 4_000_000) // size)
+    fixed = TurboRAGEngine(tiny_llama, store=tmp_path / "b", recovery="none", admit_after=1,
+                           admission_tracked=50)
+    fixed.generate(PROMPT, chunks=CHUNKS, config=CONFIG)
+    assert fixed.admission.drain(30) and fixed.admission.tracked == 50
+    engine.close()
+    fixed.close()
