@@ -220,3 +220,13 @@ def test_the_counting_window_is_what_the_disk_budget_holds(tiny_llama, tmp_path)
     assert fixed.admission.drain(30) and fixed.admission.tracked == 50
     engine.close()
     fixed.close()
+
+
+def test_a_hot_set_never_encodes_on_the_request_path(tiny_llama, tmp_path):
+    """`encode_missing=True` (the Workspace's `ask`) encodes a missing chunk before the prefill;
+    under a hot set the request leaves it to the background encoder instead."""
+    engine = hot(tiny_llama, tmp_path, admit_after=2)
+    result = engine.generate(PROMPT, chunks=CHUNKS, config=CONFIG, encode_missing=True)
+    assert result.stats.cache_misses == 2
+    assert engine.admission.drain(30) and engine.store.stats().writes == 0
+    engine.close()

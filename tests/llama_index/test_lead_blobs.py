@@ -87,3 +87,27 @@ def test_the_ingestion_bar_counts_the_lead_blobs(tmp_path, capsys):
     store = KVCachingVectorStore(engine, path=tmp_path / "chroma", show_progress=True)
     store.add([TextNode(text=t, embedding=[float(i), 1.0, 0.0]) for i, t in enumerate(TEXTS)])
     assert "6/6" in capsys.readouterr().err  # three chunks, each with its lead blob
+
+
+def test_a_hot_set_index_stores_nothing_at_ingestion_and_the_kth_query_encodes(tmp_path,
+                                                                              embed_model):
+    """A stock LlamaIndex pipeline over an engine with `admit_after=2`: inserting nodes writes
+    no blob; the second query that retrieves a node queues its encoding (with its lead blob),
+    and the third stitches it."""
+    engine = TurboRAGEngine(tiny_model("llama"), store=tmp_path / "kv", progress=False,
+                            recovery="none", admit_after=2)
+    llm = TurboRAGLLM(engine, max_new_tokens=2)
+    store = KVCachingVectorStore(engine, path=tmp_path / "chroma")
+    index = VectorStoreIndex([TextNode(text=t) for t in TEXTS], embed_model=embed_model,
+                             storage_context=StorageContext.from_defaults(vector_store=store))
+    assert engine.store.stats().writes == 0
+    query = index.as_query_engine(llm=llm, similarity_top_k=1,
+                                  node_postprocessors=[llm.postprocessor()])
+    for _ in range(2):
+        query.query(QUESTION)
+        assert llm.last_stats["cache_hits"] == 0 and llm.last_stats["cache_misses"] == 1
+    assert engine.admission.drain(30) and engine.admission.stats.encoded == 1
+    query.query(QUESTION)
+    assert llm.last_stats["cache_hits"] == 1
+    assert any(engine.library.is_lead(engine.store.get(k)) for k in engine.store.keys())
+    engine.close()

@@ -268,8 +268,10 @@ class TurboRAGEngine:
         config, mode, prompt = request.config, request.mode, request.prompt
         t0 = now()
         if isinstance(prompt, str) and mode == "turbo":
+            # a hot set encodes in the background, never on the request's path
             segments, hits, misses = self.assembly.segments(
-                prompt, request.chunks, encode_missing=request.encode_missing)
+                prompt, request.chunks,
+                encode_missing=request.encode_missing and not self.admission.enabled)
         elif isinstance(prompt, str):
             segments, hits, misses = [Segment(prompt)], 0, 0
         elif mode == "turbo":

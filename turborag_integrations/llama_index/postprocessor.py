@@ -51,14 +51,16 @@ class KVCachePostprocessor(EngineBound, BaseNodePostprocessor):
         nodes_and_texts = [(n.node, llm_text(n.node)) for n in nodes]
         nodes_and_texts = [(node, text) for node, text in nodes_and_texts if text]
         texts = [text for _, text in nodes_and_texts]
+        # a hot set encodes a chunk on its k-th retrieval, in the background (core/admission.py)
+        encode = self.encode_missing and self._engine.encodes_at_ingestion
         keys = self._engine.library.prepare_chunks(
             texts, doc_ids=[node.ref_doc_id for node, _ in nodes_and_texts],
-            encode_missing=self.encode_missing)
+            encode_missing=encode)
         for (node, _), key in zip(nodes_and_texts, keys):
             recorded = node.metadata.get(KV_KEY_METADATA)
             if not recorded or recorded == key:
                 continue
-            if self.encode_missing:
+            if encode:
                 log.warning("node %s changed since ingestion (its blob %s is stale); encoding "
                             "its new text", node.node_id, recorded)
             else:

@@ -220,8 +220,9 @@ class Service:
                          view: TurboRAGEngine) -> tuple[list[str], float]:
         """The chunks to reuse (those of the request's namespace and the public one found in
         the prompt, and the named ones) and the lookup's time. Named chunks that have no blob
-        yet are encoded first, in the request's namespace, on the model's thread."""
-        if named:
+        yet are encoded first, in the request's namespace, on the model's thread (under a hot
+        set, later, by its background encoder)."""
+        if named and view.encodes_at_ingestion:  # else the hot set's (core/admission.py)
             await asyncio.wrap_future(
                 self.scheduler.call(lambda: view.library.prepare_chunks(named, warm=False)))
         return await asyncio.get_running_loop().run_in_executor(
