@@ -75,7 +75,7 @@ class AdmissionConfig:
             value = getattr(self, name)
             if name == "admission_tracked" and value is None:
                 continue
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, not {value!r}")
 
 
@@ -105,7 +105,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig):
         self.config = config
         self.stats = AdmissionStats()
-        # (namespace, digest of the text): 16 bytes a chunk, not its text
+        # (namespace, 16-byte digest of the text), not the text: ≈200 bytes an entry in a dict
         self._counts: dict[tuple[str, bytes], int] = {}
         self._pending: set[tuple[str, bytes]] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=config.admission_queue)
