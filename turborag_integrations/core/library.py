@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import xxhash
 
 from .errors import EmptyChunkError
-from .prefill.chunk_encoder import ChunkEncoder
+from .prefill.chunk_encoder import ChunkEncoder, token_batches
 from .kv.blob import Fingerprint, KVBlob
 from .prefill.segment import tokenize_with_starts
 from .prefill.separators import separator_ids
@@ -184,16 +184,17 @@ class ChunkLibrary:
             progress(done_before, total)
         # one encoder batch at a time, each blob stored as soon as it is made: an interrupted
         # ingestion resumes where it stopped, and progress moves every batch
-        step = self.encoder.batch_size
-        for start in range(0, len(todo), step):
-            batch = todo[start:start + step]
+        done = done_before
+        for batch in token_batches(todo, [len(ids[i]) + len(context[i]) for i in todo],
+                                   self.encoder.batch_size):
             blobs = self.encoder.encode_ids([ids[i] for i in batch],
                                             contexts=[context[i] for i in batch])
             for i, blob in zip(batch, blobs):
                 self.store.put(blob, doc_id=doc_ids[i] if doc_ids else None,
                                replace=keys[i] in replace)
+            done += len(batch)
             if progress:
-                progress(done_before + start + len(batch), total)
+                progress(done, total)
         for k, doc in pending_refs:
             self.store.add_ref(k, doc)
         for n, encoder in enumerate(leads, start=1):

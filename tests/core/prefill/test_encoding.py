@@ -226,3 +226,15 @@ def test_a_learned_encoder_leaves_fast_and_batched_decoding_on(tiny_llama, tmp_p
             t.join()
         assert scheduler.steps > 0
     assert [s.result.token_ids for s in streams] == [fast.token_ids] * 2
+
+
+def test_encoder_batches_are_bounded_by_tokens_as_well_as_by_chunks(monkeypatch):
+    """Memory follows the tokens a forward reads: batches of at most `most` chunks and
+    BATCH_TOKENS tokens, in order, a chunk longer than the bound alone in its batch."""
+    from turborag_integrations.core.prefill import chunk_encoder
+
+    monkeypatch.setattr(chunk_encoder, "BATCH_TOKENS", 100)
+    batches = chunk_encoder.token_batches(list(range(7)), [30, 30, 30, 30, 150, 10, 10], 3)
+    assert batches == [[0, 1, 2], [3], [4], [5, 6]]
+    assert chunk_encoder.token_batches([], [], 8) == []
+    assert chunk_encoder.token_batches([1, 2, 3], [1, 1, 1], 2) == [[1, 2], [3]]
