@@ -56,7 +56,8 @@ class EncodingConfig:
     prompt_heads: template heads each chunk is also encoded after (a lead blob per head), so that
     the first chunk of a prompt with that head is stitched as a full prefill computes it.
 
-    batch_size: chunks per encoding forward at ingestion."""
+    batch_size: chunks per encoding forward at ingestion (and at most `BATCH_TOKENS`, 4,096, tokens
+    of chunk and context: core/prefill/chunk_encoder.py)."""
 
     anchor: str = DEFAULT_ANCHOR  # None is taken as "none"
     encoder: str | Path | LearnedEncoding | None = "default"
