@@ -25,7 +25,8 @@ if [ "${1:-}" = "vllm" ]; then
   # the connector needs the package's core only: no frameworks, no vector store
   .venv-vllm/bin/python -m pip install -q --no-deps -e .
   # redis: a "store" of redis:// (a Redis tier shared by several vLLM instances)
-  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0" "gguf>=0.10" "accelerate>=1.0" "redis>=5"
+  .venv-vllm/bin/python -m pip install -q "xxhash>=3.0" "gguf>=0.10" "accelerate>=1.0" "redis>=5" \
+    "pydantic>=2" "cachetools>=5" "filelock>=3.12"
   exit 0
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -5,6 +5,7 @@ import torch
 
 from turborag_integrations.core.engine import TurboRAGEngine
 from turborag_integrations.core.errors import ContextWindowError, EmptyChunkError
+from turborag_integrations.core.library import KeyCache
 from turborag_integrations.core.decode.loop import TextDeltas, now
 from turborag_integrations.core.decode.sampling import warp_logits
 from turborag_integrations.core.run import RunProgress, RunStats
@@ -268,7 +269,7 @@ def test_views_of_quiet_namespaces_are_let_go_and_share_one_key_cache(tiny, tmp_
     the chunk keys they remember live in one bounded cache."""
     monkeypatch.setattr(TurboRAGEngine, "MAX_VIEWS", 2)
     engine = TurboRAGEngine(tiny, store=tmp_path / "kv", recovery="none")
-    engine.library._keys.max_entries = 4
+    engine.library._keys = KeyCache(max_entries=4)  # before the first view shares it
     first = engine.namespaced("acme/s0")
     key = first.encode_chunks(CHUNKS[:1])[0]
     for i in range(1, 4):

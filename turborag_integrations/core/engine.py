@@ -12,6 +12,8 @@ import copy
 import threading
 from typing import Callable, Iterable, Sequence
 
+from cachetools import LRUCache
+
 from .admission import Admission
 from .config import EngineConfig
 from .decode.loop import decode_loop, eos_token_ids, now
@@ -33,7 +35,6 @@ from .request import Prepared, Request, new_token_limit, reserve_slots
 from .run import GenerationResult, GenerationStats, GenerationStream, Run
 from .settings import MODES, GenerationConfig
 from .store import KVStore
-from .store.namespaces import RecentlyUsed
 
 __all__ = ["TurboRAGEngine", "GenerationConfig", "GenerationResult", "GenerationStats",
            "GenerationStream", "MODES"]
@@ -87,7 +88,7 @@ class TurboRAGEngine:
         root_store = store if isinstance(store, KVStore) else KVStore(store)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.cache_pool = CachePool()
-        self._views: RecentlyUsed[tuple[str, tuple[str, ...]], TurboRAGEngine] = RecentlyUsed(
+        self._views: LRUCache[tuple[str, tuple[str, ...]], TurboRAGEngine] = LRUCache(
             self.MAX_VIEWS)
         self._views_lock = threading.Lock()
         self.library = ChunkLibrary(
@@ -159,7 +160,10 @@ class TurboRAGEngine:
             return made
 
         with root._views_lock:
-            return root._views.get(key, view)
+            made = root._views.get(key)
+            if made is None:
+                made = root._views[key] = view()
+            return made
 
     def close(self) -> None:
         """Stop the hot set's encoder (a view leaves it to its engine), and close the KV store

@@ -25,6 +25,7 @@ import threading
 from typing import Callable, Sequence
 
 import xxhash
+from cachetools import FIFOCache
 
 from .errors import EmptyChunkError
 from .prefill.chunk_encoder import ChunkEncoder, token_batches
@@ -44,20 +45,18 @@ class KeyCache:
     namespaces — a server's cache salts — come and go. Thread-safe."""
 
     def __init__(self, max_entries: int = 65536):
-        self.max_entries = max_entries
-        self._keys: dict[tuple[str, str], str] = {}
-        self._lock = threading.Lock()
+        self._keys: FIFOCache[tuple[str, str], str] = FIFOCache(max_entries)
+        self._lock = threading.Lock()  # a cachetools cache is not thread-safe, reads included
 
     def __len__(self) -> int:
         return len(self._keys)
 
     def get(self, namespace: str, digest: str) -> str | None:
-        return self._keys.get((namespace, digest))
+        with self._lock:
+            return self._keys.get((namespace, digest))
 
     def put(self, namespace: str, digest: str, key: str) -> None:
         with self._lock:
-            while len(self._keys) >= self.max_entries:
-                self._keys.pop(next(iter(self._keys)))
             self._keys[(namespace, digest)] = key
 
 

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI's completion endpoints over a TurboRAGEngine, plus chunk ingestion,
 health and metrics.
 
-    app = create_app(engine, max_batch=8)  # or: turborag serve --model ... --store ...
+    app = create_app(engine, max_batch=8)  # or: turborag serve --model ... --kv-store ...
                                            # (settings: ServerConfig, server/config.py)
 
     POST /v1/chat/completions, /v1/completions    OpenAI's bodies; "stream": true for SSE
@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.batching import BatchScheduler, on_own_thread
@@ -104,7 +104,8 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     scheduler = BatchScheduler(engine, max_batch=config.max_batch)
     metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
                       decode_steps=lambda: scheduler.steps, decode_rows=lambda: scheduler.rows,
-                      indexed_chunks=lambda: service.indexed, admission=engine.admission)
+                      indexed_chunks=lambda: service.indexed, admission=engine.admission,
+                      tenants=keys is not None)
     service = Service(engine, finder, scheduler, metrics, config)
     started = int(time.time())
 
@@ -123,8 +124,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
                        timeout_s=config.body_timeout_s)
     if config.api_key is not None or keys is not None:
         app.add_middleware(Authenticate, api_key=config.api_key, keys=keys)
-    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS,
-                       tenants=keys is not None)
+    app.add_middleware(CountRequests, metrics=metrics, endpoints=ENDPOINTS)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -176,7 +176,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 

@@ -5,8 +5,9 @@ disconnects (uvicorn; Starlette's test client when the response is complete). `D
 waits on it in a task of its own, so a client that leaves is noticed at once, with no polling,
 and its request's work is dropped (a completion is aborted by id, server/outputs.py).
 
-A streamed answer is watched by Starlette itself once its response has started (it cancels the
-response; `EventStream` aborts on close), so a handler leaves this watch before it returns.
+A streamed answer is watched by its response once it has started (sse-starlette's
+EventSourceResponse cancels it; `EventStream` aborts on close), so a handler leaves this watch
+before it returns.
 """
 
 from __future__ import annotations

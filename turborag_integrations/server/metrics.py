@@ -1,7 +1,9 @@
 """The server's Prometheus metrics, in the text exposition format (version 0.0.4).
 
-Written out by hand: a few counters, gauges and histograms need no client library, and each app
-keeps its own figures (a process-wide registry would mix two apps in one process, as in tests).
+Each app has a registry of its own (`Metrics.registry`): the process-wide default one would mix
+two apps in one process, as in tests. What the server counts itself is prometheus_client's
+counters and histograms; figures kept elsewhere (the scheduler's, the hot set's) are read at
+each scrape (`LiveFigures`).
 
     turborag_requests_total{endpoint,status}     requests answered, by path and HTTP status
     turborag_requests_in_flight                  requests being answered now (streams included)
@@ -21,198 +23,156 @@ With tenants (a keys file), the same figures per tenant as well, for the admin w
     turborag_tenant_requests_total{tenant,endpoint,status}, turborag_tenant_generations_total{
     tenant,finish_reason}, turborag_tenant_{cache_hits,cache_misses,prompt_tokens,reused_tokens,
     completion_tokens}_total{tenant}
+
+prometheus_client names counters without their `_total` (it adds it), and writes a `_created`
+series beside each counter and histogram (PROMETHEUS_DISABLE_CREATED_SERIES=True turns those off).
 """
 
 from __future__ import annotations
 
-import math
-import threading
 from typing import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..core.run import GenerationStats
 
+# what generate_latest writes (the library's CONTENT_TYPE_LATEST names its 1.0.0 format)
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TOTALS = (("cache_hits", "Chunks in prompts whose KV blob was found in the store."),
+          ("cache_misses", "Chunks in prompts with no KV blob (prefilled instead)."),
+          ("prompt_tokens", "Prompt tokens of all generations."),
+          ("reused_tokens", "Prompt tokens read from stored KV blobs instead of prefilled."),
+          ("completion_tokens", "Tokens generated."))
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+class LiveFigures:
+    """A collector of values kept elsewhere, read when the metrics are scraped: gauges, and
+    counters that only grow where they are kept."""
+
+    def __init__(self):
+        self._figures: list[tuple[type[Metric], str, str, Callable[[], float]]] = []
+
+    def gauge(self, name: str, help: str, read: Callable[[], float]) -> None:
+        self._figures.append((GaugeMetricFamily, name, help, read))
+
+    def counter(self, name: str, help: str, read: Callable[[], float]) -> None:
+        """`name` without `_total`, which the exposition adds."""
+        self._figures.append((CounterMetricFamily, name, help, read))
+
+    def collect(self) -> Iterator[Metric]:
+        for family, name, help, read in self._figures:
+            yield family(name, help, value=read())
 
 
-def _labels(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    escaped = (str(v).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
-               for v in values)
-    return "{" + ",".join(f'{n}="{v}"' for n, v in zip(names, escaped)) + "}"
-
-
-def _header(name: str, help: str, kind: str) -> Iterator[str]:
-    yield f"# HELP {name} {help}"
-    yield f"# TYPE {name} {kind}"
-
-
-class Counter:
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()):
-        self.name, self.help, self.labels = name, help, tuple(labels)
-        self.values: dict[tuple[str, ...], float] = {} if labels else {(): 0.0}
-
-    def inc(self, *label_values: str, amount: float = 1.0) -> None:
-        key = tuple(label_values)
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def lines(self) -> Iterator[str]:
-        yield from _header(self.name, self.help, "counter")
-        for key, value in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labels, key)} {_number(value)}"
-
-
-class Gauge:
-    """A value read when the metrics are rendered (kind "counter": one that only grows, kept
-    elsewhere)."""
-
-    def __init__(self, name: str, help: str, read: Callable[[], float], kind: str = "gauge"):
-        self.name, self.help, self.read, self.kind = name, help, read, kind
-
-    def lines(self) -> Iterator[str]:
-        yield from _header(self.name, self.help, self.kind)
-        yield f"{self.name} {_number(self.read())}"
-
-
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: Sequence[float]):
-        self.name, self.help = name, help
-        self.bounds = (*sorted(buckets), math.inf)
-        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self) -> Iterator[str]:
-        yield from _header(self.name, self.help, "histogram")
-        total = 0
-        for bound, count in zip(self.bounds, self.counts):
-            total += count
-            yield f'{self.name}_bucket{{le="{_number(bound)}"}} {total}'
-        yield f"{self.name}_sum {_number(self.sum)}"
-        yield f"{self.name}_count {self.count}"
+def _value(counter: Counter) -> float:
+    """The value of a counter without labels, as a scrape reads it."""
+    (family,) = counter.collect()
+    return next(s.value for s in family.samples if s.name.endswith("_total"))
 
 
 class Metrics:
-    """The figures of one app; safe to update from the event loop and the worker thread."""
+    """The figures of one app, in its own `registry`; safe to update from the event loop and
+    the worker thread. `tenants`: count per tenant as well (a keys file)."""
 
     def __init__(self, *, queue_depth: Callable[[], float], batch_size: Callable[[], float],
                  decode_steps: Callable[[], float], decode_rows: Callable[[], float],
-                 indexed_chunks: Callable[[], float], admission=None):
+                 indexed_chunks: Callable[[], float], admission=None, tenants: bool = False):
         """admission: the engine's hot set (core/admission.py), whose figures render when it is
         on."""
-        self._lock = threading.Lock()
-        self.in_flight = 0
-        self.requests = Counter("turborag_requests_total", "HTTP requests answered.",
-                                ("endpoint", "status"))
-        self.generations = Counter("turborag_generations_total", "Generations, by how they "
-                                   "ended (cancelled: the client left).", ("finish_reason",))
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("turborag_requests", "HTTP requests answered.",
+                                ("endpoint", "status"), registry=registry)
+        self.in_flight = Gauge("turborag_requests_in_flight", "Requests being answered now.",
+                               registry=registry)
         self.ttft = Histogram("turborag_ttft_seconds", "Time from the submission to the batch "
                               "scheduler to the first token (the wait for a place in the batch "
-                              "included; the chunk lookup not).", TTFT_BUCKETS)
+                              "included; the chunk lookup not).", buckets=TTFT_BUCKETS,
+                              registry=registry)
         self.decode_rate = Histogram("turborag_decode_tokens_per_second", "Decode speed of a "
                                      "generation (tokens after the first, per second).",
-                                     RATE_BUCKETS)
-        self.totals = {name: Counter(f"turborag_{name}_total", help) for name, help in (
-            ("cache_hits", "Chunks in prompts whose KV blob was found in the store."),
-            ("cache_misses", "Chunks in prompts with no KV blob (prefilled instead)."),
-            ("prompt_tokens", "Prompt tokens of all generations."),
-            ("reused_tokens", "Prompt tokens read from stored KV blobs instead of prefilled."),
-            ("completion_tokens", "Tokens generated."))}
-        self.by_tenant = {
-            "requests": Counter("turborag_tenant_requests_total", "HTTP requests answered, by "
-                                "tenant (\"\" before one is known).",
-                                ("tenant", "endpoint", "status")),
-            "generations": Counter("turborag_tenant_generations_total", "Generations, by "
-                                   "tenant and how they ended.", ("tenant", "finish_reason")),
-            **{name: Counter(f"turborag_tenant_{name}_total", f"{c.help[:-1]}, by tenant.",
-                             ("tenant",)) for name, c in self.totals.items()}}
-        self.tenants = False  # whether any figure has a tenant (then the series above render)
-        self.gauges = [
-            Gauge("turborag_requests_in_flight", "Requests being answered now.",
-                  lambda: self.in_flight),
-            Gauge("turborag_queue_depth", "Requests waiting for the model (their first token, or "
-                  "the end of an ingestion).", queue_depth),
-            Gauge("turborag_batch_size", "Requests being decoded together now.", batch_size),
-            Gauge("turborag_decode_steps_total", "Batched decode steps run.", decode_steps,
-                  kind="counter"),
-            Gauge("turborag_decode_rows_total", "Requests served by the batched decode steps "
-                  "(rows / steps: the mean batch size).", decode_rows, kind="counter"),
-            Gauge("turborag_cache_hit_ratio", "Chunk blobs found / chunks looked up, so far.",
-                  self._hit_ratio),
-            Gauge("turborag_indexed_chunks", "Chunk texts the server looks for in prompts.",
-                  indexed_chunks),
-        ]
+                                     buckets=RATE_BUCKETS, registry=registry)
+        self.generations = Counter("turborag_generations", "Generations, by how they ended "
+                                   "(cancelled: the client left).", ("finish_reason",),
+                                   registry=registry)
+        self.totals = {name: Counter(f"turborag_{name}", help, registry=registry)
+                       for name, help in TOTALS}
+        self.by_tenant: dict[str, Counter] | None = None
+        if tenants:
+            self.by_tenant = {
+                "requests": Counter("turborag_tenant_requests", "HTTP requests answered, by "
+                                    "tenant (\"\" before one is known).",
+                                    ("tenant", "endpoint", "status"), registry=registry),
+                "generations": Counter("turborag_tenant_generations", "Generations, by tenant "
+                                       "and how they ended.", ("tenant", "finish_reason"),
+                                       registry=registry),
+                **{name: Counter(f"turborag_tenant_{name}", f"{help[:-1]}, by tenant.",
+                                 ("tenant",), registry=registry) for name, help in TOTALS}}
+        live = LiveFigures()
+        live.gauge("turborag_queue_depth", "Requests waiting for the model (their first token, "
+                   "or the end of an ingestion).", queue_depth)
+        live.gauge("turborag_batch_size", "Requests being decoded together now.", batch_size)
+        live.counter("turborag_decode_steps", "Batched decode steps run.", decode_steps)
+        live.counter("turborag_decode_rows", "Requests served by the batched decode steps "
+                     "(rows / steps: the mean batch size).", decode_rows)
+        live.gauge("turborag_cache_hit_ratio", "Chunk blobs found / chunks looked up, so far.",
+                   self._hit_ratio)
+        live.gauge("turborag_indexed_chunks", "Chunk texts the server looks for in prompts.",
+                   indexed_chunks)
         if admission is not None and admission.enabled:
             stats = admission.stats
-            self.gauges += [
-                Gauge("turborag_admission_pending", "Admitted chunks waiting for (or in) the "
-                      "background encoder.", lambda: admission.queued_now),
-                *(Gauge(f"turborag_admission_{name}_total", help,
-                        lambda name=name: getattr(stats, name), kind="counter")
-                  for name, help in (
-                      ("retrievals", "Retrieved chunks counted by the hot set."),
-                      ("queued", "Chunk encodes queued on a k-th retrieval."),
-                      ("dropped", "Admissions dropped because the encode queue was full."),
-                      ("encoded", "Admitted chunks encoded and stored in the background."),
-                      ("failed", "Background encodes that failed (the chunk stays "
-                                 "prefilled).")))]
+            live.gauge("turborag_admission_pending", "Admitted chunks waiting for (or in) the "
+                       "background encoder.", lambda: admission.queued_now)
+            for name, help in (
+                    ("retrievals", "Retrieved chunks counted by the hot set."),
+                    ("queued", "Chunk encodes queued on a k-th retrieval."),
+                    ("dropped", "Admissions dropped because the encode queue was full."),
+                    ("encoded", "Admitted chunks encoded and stored in the background."),
+                    ("failed", "Background encodes that failed (the chunk stays prefilled).")):
+                live.counter(f"turborag_admission_{name}", help,
+                             lambda name=name: getattr(stats, name))
+        registry.register(live)
 
     def _hit_ratio(self) -> float:
-        hits = self.totals["cache_hits"].values[()]
-        looked_up = hits + self.totals["cache_misses"].values[()]
+        hits = _value(self.totals["cache_hits"])
+        looked_up = hits + _value(self.totals["cache_misses"])
         return hits / looked_up if looked_up else 0.0
 
     def request_started(self) -> None:
-        with self._lock:
-            self.in_flight += 1
+        self.in_flight.inc()
 
     def request_ended(self, endpoint: str, status: int, tenant: str | None = None) -> None:
-        with self._lock:
-            self.in_flight -= 1
-            self.requests.inc(endpoint, str(status))
-            if tenant is not None:
-                self.tenants = True
-                self.by_tenant["requests"].inc(tenant, endpoint, str(status))
+        self.in_flight.dec()
+        self.requests.labels(endpoint, str(status)).inc()
+        if tenant is not None and self.by_tenant is not None:
+            self.by_tenant["requests"].labels(tenant, endpoint, str(status)).inc()
 
     def generation(self, stats: GenerationStats, tenant: str | None = None) -> None:
         """Count one generation that has ended (however it ended), for `tenant` too if given."""
-        with self._lock:
-            self.generations.inc(stats.finish_reason or "unknown")
+        if self.by_tenant is None:
+            tenant = None
+        reason = stats.finish_reason or "unknown"
+        self.generations.labels(reason).inc()
+        if tenant is not None:
+            self.by_tenant["generations"].labels(tenant, reason).inc()
+        if stats.new_tokens:
+            self.ttft.observe(stats.ttft_s)
+        if stats.new_tokens > 1:
+            self.decode_rate.observe(stats.decode_tokens_per_s)
+        for name, value in (("cache_hits", stats.cache_hits),
+                            ("cache_misses", stats.cache_misses),
+                            ("prompt_tokens", stats.prompt_tokens),
+                            ("reused_tokens", stats.reused_tokens),
+                            ("completion_tokens", stats.new_tokens)):
+            self.totals[name].inc(value)
             if tenant is not None:
-                self.tenants = True
-                self.by_tenant["generations"].inc(tenant, stats.finish_reason or "unknown")
-            if stats.new_tokens:
-                self.ttft.observe(stats.ttft_s)
-            if stats.new_tokens > 1:
-                self.decode_rate.observe(stats.decode_tokens_per_s)
-            for name, value in (("cache_hits", stats.cache_hits),
-                                ("cache_misses", stats.cache_misses),
-                                ("prompt_tokens", stats.prompt_tokens),
-                                ("reused_tokens", stats.reused_tokens),
-                                ("completion_tokens", stats.new_tokens)):
-                self.totals[name].inc(amount=value)
-                if tenant is not None:
-                    self.by_tenant[name].inc(tenant, amount=value)
+                self.by_tenant[name].labels(tenant).inc(value)
 
-    def render(self) -> str:
-        with self._lock:
-            metrics = [self.requests, *self.gauges, self.ttft, self.decode_rate,
-                       self.generations, *self.totals.values(),
-                       *(self.by_tenant.values() if self.tenants else ())]
-            return "\n".join(line for m in metrics for line in m.lines()) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class CountRequests:
@@ -222,11 +182,12 @@ class CountRequests:
     label value each). A stream counts when it ends.
     """
 
-    def __init__(self, app, metrics: Metrics, endpoints: Sequence[str], tenants: bool = False):
+    def __init__(self, app, metrics: Metrics, endpoints: Sequence[str]):
         self.app = app
         self.metrics = metrics
         self.endpoints = frozenset(endpoints)
-        self.tenants = tenants  # count per tenant too (the principal the app recognised)
+        # count per tenant too (the principal the app recognised)
+        self.tenants = metrics.by_tenant is not None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

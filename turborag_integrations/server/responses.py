@@ -9,13 +9,14 @@ missed, and how long finding the chunks in the prompt took.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi.responses import JSONResponse
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse
 
 from ..core.errors import ContextWindowError
 from ..core.run import GenerationResult, GenerationStats
@@ -61,9 +62,9 @@ def usage(stats: GenerationStats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
 
 
-def sse(data: dict | str) -> str:
-    """One server-sent event: a JSON object, or a bare word ([DONE])."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+def event_data(data: dict | str) -> str:
+    """The data of one server-sent event: a JSON object, or a bare word ([DONE])."""
+    return data if isinstance(data, str) else json.dumps(data)
 
 
 @dataclass
@@ -119,18 +120,20 @@ class Reply:
         return [finishing, last] if include_usage else [last]
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events that call `on_close` however the response ends (the server aborts
-    the request's generation there).
+class EventStream(EventSourceResponse):
+    """Server-sent events (`events`: each one's data) that call `on_close` however the response
+    ends (the server aborts the request's generation there).
 
-    A client that disconnects makes Starlette cancel the response while its body waits for the
-    next delta; the body is left suspended, so this is where the generation learns it.
+    A client that disconnects makes the response cancel its body while it waits for the next
+    delta; the body is left suspended, so this is where the generation learns it. The bytes are
+    OpenAI's: no keep-alive comments, and lines end in a bare newline. On shutdown a stream under
+    way runs to its end, as any other request does (uvicorn's --timeout-graceful-shutdown bounds
+    both), rather than being cut at once, sse-starlette's default.
     """
 
-    media_type = "text/event-stream"
-
     def __init__(self, events, on_close: Callable[[], None]):
-        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        super().__init__(events, headers={"Cache-Control": "no-cache"}, ping=0, sep="\n",
+                         shutdown_grace_period=math.inf)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):

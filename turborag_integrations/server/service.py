@@ -45,7 +45,7 @@ from .finder import ChunkFinder
 from .keys import Principal
 from .metrics import Metrics
 from .outputs import Event, OutputLoop, RequestStream
-from .responses import APIError, EventStream, Reply, clip, sse
+from .responses import APIError, EventStream, Reply, clip, event_data
 from .schemas import ChunksRequest, CompletionParams
 
 log = logging.getLogger("turborag.server")
@@ -180,7 +180,7 @@ class Service:
                 return Response(status_code=CLIENT_GONE)
             if event[0] == "error":
                 return APIError.of(event[1]).response()
-            if req.stream:  # Starlette watches the connection from here (disconnect.py)
+            if req.stream:  # the response watches the connection from here (disconnect.py)
                 return EventStream(self._events(event, stream, reply, req.include_usage),
                                    on_close=lambda: self.outputs.abort(reply.id))
             while event[0] == "delta":  # the result holds the whole text
@@ -194,18 +194,18 @@ class Service:
     async def _events(self, event: Event, stream: RequestStream, reply: Reply,
                       include_usage: bool) -> AsyncIterator[str]:
         for chunk in reply.opening():
-            yield sse(chunk)
+            yield event_data(chunk)
         while event[0] == "delta":
-            yield sse(reply.chunk(event[1]))
+            yield event_data(reply.chunk(event[1]))
             event = await stream.next()
             if event is None:  # aborted: its client has gone
                 return
         if event[0] == "error":  # after the first token: the stream reports it and ends
-            yield sse(APIError.of(event[1]).body)
+            yield event_data(APIError.of(event[1]).body)
             return
         for chunk in reply.closing(event[1], include_usage=include_usage):
-            yield sse(chunk)
-        yield sse("[DONE]")
+            yield event_data(chunk)
+        yield event_data("[DONE]")
 
     def _ended(self, result: GenerationResult, label: str, lookup_s: float,
                principal: Principal) -> None:

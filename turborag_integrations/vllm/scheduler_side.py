@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from cachetools import LRUCache
 
 from ..core.kv.blob import Fingerprint
 from ..core.prefill.chunk_encoder import chunk_encoding
@@ -82,7 +82,8 @@ class TurboRAGConnectorScheduler:
         self.setup: ModelSetup | None = None
         self.chunk_fp: Fingerprint | None = None
         self.prefix_fp: Fingerprint | None = None
-        self._spaces: OrderedDict[str, Space] = OrderedDict()
+        self._default_space: Space | None = None  # never let go
+        self._spaces: LRUCache[str, Space] = LRUCache(MAX_SPACES - 1)  # the other namespaces
         # req_id -> (claim, first token, namespaces)
         self._pending: dict[str, tuple[Claim, int, tuple[str, ...]]] = {}
         self._claims: dict[str, Claim] = {}
@@ -126,22 +127,24 @@ class TurboRAGConnectorScheduler:
 
     # ---- the store's namespaces ---------------------------------------------------------------
     def _space(self, namespace: str) -> Space:
-        """A namespace's index, made (blobs indexed) on first sight; the least recently used
-        ones are dropped beyond MAX_SPACES (per-user salts make many), to be made again if
-        their namespace comes back. The stock separators are stored once, in the default
+        """A namespace's index, made (blobs indexed) on first sight; beyond MAX_SPACES the
+        least recently used ones other than the default are dropped (per-user salts make
+        many), to be made again if their namespace comes back. The stock separators are stored once, in the default
         namespace: they are the same constants for everyone and hold nobody's data."""
+        if not namespace:
+            if self._default_space is None:
+                self._store_separators()
+                self._default_space = self._new_space("")
+            return self._default_space
         space = self._spaces.get(namespace)
         if space is None:
-            if not namespace:
-                self._store_separators()
-            space = self._spaces[namespace] = Space(self._store.namespace(namespace),
-                                                    TokenSpanIndex(self._config.min_chunk_tokens))
-            self._refresh(space, force=True)
-            while len(self._spaces) > MAX_SPACES:
-                oldest = next(n for n in self._spaces if n)  # the default one stays
-                del self._spaces[oldest]
-        else:
-            self._spaces.move_to_end(namespace)
+            space = self._spaces[namespace] = self._new_space(namespace)
+        return space
+
+    def _new_space(self, namespace: str) -> Space:
+        space = Space(self._store.namespace(namespace),
+                      TokenSpanIndex(self._config.min_chunk_tokens))
+        self._refresh(space, force=True)
         return space
 
     def _store_separators(self) -> None:

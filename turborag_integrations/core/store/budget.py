@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from .. import environment
 
 __all__ = ["parse_size", "format_size", "requested", "resolve", "DISK_CAP", "PREFIX_CAP",
@@ -30,13 +32,11 @@ PREFIX_CAP = 8 << 30
 ENV_DISK = environment.STORE_DISK_BYTES
 ENV_PREFIX = environment.STORE_PREFIX_BYTES
 
-# Decimal units as the SI writes them (kB, MB, GB), binary ones as the IEC does (KiB, MiB, GiB);
-# a bare letter (2G) is binary, as `ls -h` and `du -h` print it.
-_UNITS = {"": 1, "b": 1}
-for _i, _letter in enumerate("kmgt", start=1):
-    _UNITS[_letter] = _UNITS[f"{_letter}ib"] = 1 << (10 * _i)
-    _UNITS[f"{_letter}b"] = 1000 ** _i
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+# pydantic reads decimal units as the SI writes them (kB, MB, GB) and binary ones as the IEC
+# does (KiB, MiB, GiB), but a bare letter as decimal: here 2G is binary, as `ls -h` and `du -h`
+# print it.
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_BARE_LETTER = re.compile(r"([kmgtpe])\s*$", re.IGNORECASE)
 
 
 def parse_size(size: int | str) -> int:
@@ -46,11 +46,10 @@ def parse_size(size: int | str) -> int:
         if size < 0:
             raise ValueError(f"a size cannot be negative, got {size}")
         return size
-    match = _SIZE.fullmatch(str(size))
-    unit = _UNITS.get(match.group(2).lower()) if match else None
-    if unit is None:
-        raise ValueError(f"not a size: {size!r} (write e.g. 2GB, 500MiB or 1073741824)")
-    return int(float(match.group(1)) * unit)
+    try:
+        return int(_BYTE_SIZE.validate_python(_BARE_LETTER.sub(r"\1iB", str(size))))
+    except ValidationError:
+        raise ValueError(f"not a size: {size!r} (write e.g. 2GB, 500MiB or 1073741824)") from None
 
 
 def format_size(n: int) -> str:

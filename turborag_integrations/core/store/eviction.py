@@ -13,9 +13,9 @@ goes first; popularity fades with time and with the log's compactions.
 
 How:
 
-- One pass at a time per store: a pass holds an exclusive `flock` on `<root>/maintenance.lock`.
-  A writer that finds it held skips its pass — the holder is already making room — so a query
-  never waits on another process's scan.
+- One pass at a time per store: a pass holds an exclusive lock on `<root>/maintenance.lock`
+  (filelock's `FileLock`: `flock` on POSIX). A writer that finds it held skips its pass — the
+  holder is already making room — so a query never waits on another process's scan.
 - A blob is removed by unlinking its file, nothing else. A process that has the file open or
   memory-mapped keeps reading it: on Linux (and any POSIX system) the data stays until the last
   map is gone. A reader that comes after finds no file, which is a miss: the chunk is prefilled
@@ -25,12 +25,13 @@ How:
 
 from __future__ import annotations
 
-import fcntl
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from filelock import FileLock
 
 from .files import TEMP_PREFIX
 
@@ -111,19 +112,15 @@ def exclusive(lock_path: Path, *, wait: bool) -> Iterator[bool]:
     """Hold the store's maintenance lock for the block; yields False when another process (or
     thread) holds it and `wait` is False, or when the lock file cannot be opened without waiting
     (a read-only store)."""
+    lock = FileLock(lock_path)
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
+        lock.acquire(blocking=wait)
+    except OSError:  # held elsewhere (filelock.Timeout) or a read-only folder (EACCES)
         if wait:
             raise
         yield False
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True  # the lock goes with the file descriptor, closed below
+        yield True
     finally:
-        os.close(fd)
+        lock.release()

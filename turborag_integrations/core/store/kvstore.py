@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from cachetools import LRUCache
 
 from .. import environment
 from ..errors import BlobCorrupted, TurboRAGError
@@ -22,8 +23,7 @@ from .disk import KINDS, DiskTier
 from .format import BlobSummary
 from .memory import MemoryTier
 from .stats import StoreStats
-from .namespaces import (RecentlyUsed, check_namespace, disk_partition, key_in_namespace,
-                         namespace_root)
+from .namespaces import check_namespace, disk_partition, key_in_namespace, namespace_root
 from .tier import Tier, owned_copy
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class KVStore:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._children: dict[str, KVStore] = {}  # namespaces with a disk tier of their own
-        self._salted: RecentlyUsed[str, KVStore] = RecentlyUsed(self.MAX_SALTED)
+        self._salted: LRUCache[str, KVStore] = LRUCache(self.MAX_SALTED)
         self._parent: KVStore | None = None
         self._owns_disk = True
 
@@ -112,11 +112,11 @@ class KVStore:
         with self._lock:
             if self._closed:
                 raise StoreClosedError(f"the KV store at {self.base} is closed")
-            if disk_partition(name) != name:  # salted: no tier of its own, let go when quiet
-                return self._salted.get(name, lambda: self._child(name))
-            child = self._children.get(name)
+            # a salted namespace has no disk tier of its own, and is let go when quiet
+            kept = self._salted if disk_partition(name) != name else self._children
+            child = kept.get(name)
             if child is None:
-                child = self._children[name] = self._child(name)
+                child = kept[name] = self._child(name)
         return child
 
     def _child(self, name: str) -> "KVStore":
@@ -351,7 +351,7 @@ class KVStore:
             self._closed = True
             pool, self._pool = self._pool, None
             children = [*self._children.values(), *self._salted.values()]
-            self._children, self._salted = {}, RecentlyUsed(self.MAX_SALTED)
+            self._children, self._salted = {}, LRUCache(self.MAX_SALTED)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         for child in children:

@@ -23,14 +23,13 @@ a store can tell a key of another namespace without reading anything.
 
 Salts come and go (a server may see one per user), so what is kept per salted namespace — its
 store object here, its engine view (`TurboRAGEngine.namespaced`) — is kept for the most
-recently used ones only (`RecentlyUsed`); the blobs themselves stay in the tenant's disk tier.
+recently used ones only (a cachetools `LRUCache`); the blobs themselves stay in the tenant's
+disk tier.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Generic, Hashable, TypeVar
 
 from ..kv.blob import namespace_tag
 
@@ -89,32 +88,3 @@ def namespaced_collection(collection: str, namespace: str) -> str:
     """A vector collection name of a namespace's own ("" keeps `collection`): the adapters'
     default Chroma collections, so that tenants never retrieve each other's documents."""
     return f"{collection}-{namespace_tag(namespace)}" if namespace else collection
-
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class RecentlyUsed(Generic[K, V]):
-    """A map that keeps its `limit` most recently asked-for entries; the oldest are let go
-    (a holder keeps a working object; asking again makes a new one). Callers lock."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, key: K, make: Callable[[], V]) -> V:
-        item = self._items.get(key)
-        if item is None:
-            item = self._items[key] = make()
-            while len(self._items) > self.limit:
-                self._items.popitem(last=False)
-        else:
-            self._items.move_to_end(key)
-        return item
-
-    def values(self) -> list[V]:
-        return list(self._items.values())
