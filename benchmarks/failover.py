@@ -75,7 +75,7 @@ def start_workers(n: int, redis_url: str, root: Path, model: str | None) -> list
     for i in range(n):
         port = free_port()
         cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port),
-               "--store", str(root / f"kv-{i}")]
+               "--kv-store", str(root / f"kv-{i}")]
         if model:
             cmd += ["--model", model]
         log = open(root / f"worker-{i}.log", "w")

@@ -1,14 +1,15 @@
-"""A LlamaIndex RAG app over a folder of text, with TurboRAG behind the stock query engine.
+"""A LlamaIndex RAG app over folders of text, with TurboRAG behind the stock query engine.
 
     python examples/llama_index_rag.py                                # repo docs + sample docs
     python examples/llama_index_rag.py --docs ~/notes --question "What did we decide?"
     python examples/llama_index_rag.py --top-k 2 --chunk-tokens 128 --runs 1   # a quick look
 
-Ingestion splits the documents into chunks of --chunk-tokens model tokens, embeds them into an
-embedded Chroma and stores each chunk's KV blob (once: a second run with the same --store skips
-unchanged files). Each question is answered, streamed, with its sources; then the time to first
-token of the same stock query engine is measured with TurboRAG and with a full prefill (the same
-LLM in naive mode), median of --runs after a warm-up of each.
+Ingestion splits the documents into chunks of --chunk-tokens model tokens, embeds them into a
+Chroma index for this run and stores each chunk's KV blob in the KV store (--kv-store), where it
+stays: a rerun over the same documents encodes only the chunks it has not seen. Each question is
+answered, streamed, with its sources; then the time to first token of the same stock query
+engine is measured with TurboRAG and with a full prefill (the same LLM in naive mode), median of
+--runs after a warm-up of each. examples/langchain_rag.py takes the same flags.
 """
 
 from __future__ import annotations
@@ -16,71 +17,94 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DOCS = [REPO / "docs", REPO / "turborag_integrations" / "data" / "sample_docs"]
 DEFAULT_QUESTION = "How high is the Tall Widow lighthouse, and when was it first lit?"
+SUFFIXES = (".md", ".rst", ".txt")
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The flags of both framework examples, spelled and meant alike."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", nargs="+", type=Path, default=DEFAULT_DOCS, metavar="PATH",
+                   help="folders or files of text (.md .rst .txt; default: docs/ and the "
+                   "bundled sample documents)")
+    p.add_argument("--question", action="append",
+                   help="a question to ask (repeatable; default: one the sample documents answer)")
+    p.add_argument("--top-k", type=int, default=8, help="chunks to retrieve (default: %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="chunk size in model tokens (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs of TurboRAG and of a full "
+                   "prefill each, after a warm-up of each (default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="bundled name, local folder or HF id (default: the bundled SmolLM2)")
+    p.add_argument("--max-new-tokens", type=int, default=96,
+                   help="longest answer shown, in tokens (default: %(default)s)")
+    p.add_argument("--kv-store", type=Path, default=None, metavar="DIR",
+                   help="KV store folder: the chunks' KV blobs alone, kept between runs "
+                   "(default ~/.cache/turborag/kv or $TURBORAG_STORE)")
+    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=Path, action="append",
-                   help="folder of .md/.txt files (repeatable; default: docs/ and sample docs)")
-    p.add_argument("--question", action="append", help="question to ask (repeatable)")
-    p.add_argument("--top-k", type=int, default=8, help="chunks to retrieve")
-    p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size in model tokens")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per path (after a warm-up)")
-    p.add_argument("--store", type=Path, default=None,
-                   help="folder for the KV store and Chroma (default: the turborag cache)")
-    p.add_argument("--model", default=None, help="bundled name, local folder or HF id")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p = arg_parser()
     args = p.parse_args(argv)
-    if args.top_k < 1 or args.runs < 1 or args.chunk_tokens < 16:
-        p.error("--top-k and --runs must be ≥ 1, --chunk-tokens ≥ 16")
-    args.docs = args.docs or DEFAULT_DOCS
+    if min(args.top_k, args.runs, args.max_new_tokens) < 1 or args.chunk_tokens < 16:
+        p.error("--top-k, --runs and --max-new-tokens must be at least 1, --chunk-tokens at "
+                "least 16")
+    missing = [str(d) for d in args.docs if not d.exists()]
+    if missing:
+        p.error(f"--docs: no such file or folder: {', '.join(missing)}")
     args.question = args.question or [DEFAULT_QUESTION]
     return args
 
 
-def load_documents(folders):
+def find_files(paths: list[Path]) -> list[Path]:
+    """The text files given, and those under the folders given (hidden ones left out)."""
+    found = []
+    for path in paths:
+        if path.is_file():
+            found += [path] if path.suffix.lower() in SUFFIXES else []
+            continue
+        found += [f for f in sorted(path.rglob("*")) if f.is_file()
+                  and f.suffix.lower() in SUFFIXES
+                  and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+    if not found:
+        sys.exit(f"error: no {' '.join(SUFFIXES)} files in {', '.join(map(str, paths))}: give "
+                 "--docs folders or files of text")
+    return found
+
+
+def load_documents(paths: list[Path]):
     from llama_index.core import SimpleDirectoryReader
 
-    docs = []
-    for folder in folders:
-        if not folder.is_dir():
-            sys.exit(f"error: no such folder: {folder}")
-        docs += SimpleDirectoryReader(str(folder), required_exts=[".md", ".txt"], recursive=True,
-                                      filename_as_id=True).load_data()
-    if not docs:
-        sys.exit("error: no .md or .txt files found")
-    return docs
+    return SimpleDirectoryReader(input_files=[str(f) for f in find_files(paths)],
+                                 filename_as_id=True).load_data()
 
 
-def ingest(docs, engine, embed_model, store_dir: Path, chunk_tokens: int):
-    """Split, embed and store; the wrapper stores each chunk's KV blob (with a progress bar)."""
+def ingest(docs, engine, embed_model, index_dir: Path, chunk_tokens: int):
+    """Split, embed and index; the wrapper stores each chunk's KV blob (with a progress bar),
+    skipping the blobs already in the KV store."""
     from llama_index.core import VectorStoreIndex
-    from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
+    from llama_index.core.ingestion import IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
-    from llama_index.core.storage.docstore import SimpleDocumentStore
 
     from turborag_integrations.llama_index import KVCachingVectorStore
 
-    store = KVCachingVectorStore(engine, path=store_dir / "chroma",
-                                 collection=f"chunks{chunk_tokens}", show_progress=True)
+    store = KVCachingVectorStore(engine, path=index_dir, collection=f"chunks{chunk_tokens}",
+                                 show_progress=True)
     splitter = SentenceSplitter(  # count in the model's tokens: a chunk is what gets cached
         chunk_size=chunk_tokens, chunk_overlap=0,
         tokenizer=lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
-    pipeline = IngestionPipeline(transformations=[splitter, embed_model], vector_store=store,
-                                 docstore=SimpleDocumentStore(),
-                                 docstore_strategy=DocstoreStrategy.UPSERTS)
-    state = store_dir / f"pipeline{chunk_tokens}"
-    if state.exists():
-        pipeline.load(str(state))
+    pipeline = IngestionPipeline(transformations=[splitter, embed_model], vector_store=store)
+    t0 = time.perf_counter()
     nodes = pipeline.run(documents=docs, show_progress=True)
-    pipeline.persist(str(state))
-    print(f"ingested {len(docs)} files: {len(nodes)} new or changed chunks")
+    print(f"ingested {len(docs)} documents: {len(nodes)} chunks of ≤{chunk_tokens} tokens in "
+          f"{time.perf_counter() - t0:.1f} s ({engine.loaded.name}, KV store {engine.store.root})")
     return VectorStoreIndex.from_vector_store(store, embed_model=embed_model)
 
 
@@ -102,13 +126,18 @@ def main(argv=None) -> None:
 
     from turborag_integrations.core.retrieval.embedding import default_embedding_path
     from turborag_integrations.core.engine import TurboRAGEngine
-    from turborag_integrations.core.models import cache_dir
-    from turborag_integrations.llama_index import TurboRAGLLM
 
-    store_dir = (args.store or cache_dir() / "llama_index_example").expanduser()
-    engine = TurboRAGEngine(args.model, store=store_dir / "kv")
+    docs = load_documents(args.docs)
+    engine = TurboRAGEngine(args.model, store=args.kv_store and args.kv_store.expanduser())
     embed_model = HuggingFaceEmbedding(model_name=default_embedding_path())
-    index = ingest(load_documents(args.docs), engine, embed_model, store_dir, args.chunk_tokens)
+    with tempfile.TemporaryDirectory(prefix="turborag-llama-index-") as index_dir:
+        index = ingest(docs, engine, embed_model, Path(index_dir), args.chunk_tokens)
+        answer_and_time(args, engine, index)
+
+
+def answer_and_time(args: argparse.Namespace, engine, index) -> None:
+    """Answer each question, streamed, with its sources; then time both paths."""
+    from turborag_integrations.llama_index import TurboRAGLLM
 
     llm = TurboRAGLLM(engine, max_new_tokens=args.max_new_tokens)
     post = llm.postprocessor()

@@ -6,7 +6,8 @@
 #   bash scripts/cluster.sh status
 #   bash scripts/cluster.sh down
 #
-# Ports: REDIS_PORT (6390), CHROMA_PORT (8300), first worker WORKER_PORT (8100, then +1 ...).
+# Ports: REDIS_PORT (6390), CHROMA_PORT (8300), first worker WORKER_PORT (8400, then +1 ...),
+# apart from the defaults of `turborag serve` (8000) and `turborag vllm` (8100).
 # Workers: MAX_BATCH (requests decoded together, default 8), MAX_QUEUE (waiting requests before
 # a 429, default 64), MODE (turbo, or naive for the baseline), THREADS (torch threads per
 # worker, default: the machine's cores split between the workers, at least 1: workers that
@@ -21,7 +22,7 @@ RUN=.cluster
 PY=${PYTHON:-.venv/bin/python}
 REDIS_PORT=${REDIS_PORT:-6390}
 CHROMA_PORT=${CHROMA_PORT:-8300}
-WORKER_PORT=${WORKER_PORT:-8100}
+WORKER_PORT=${WORKER_PORT:-8400}
 MAX_BATCH=${MAX_BATCH:-8}
 MAX_QUEUE=${MAX_QUEUE:-64}
 MODE=${MODE:-turbo}
@@ -52,7 +53,7 @@ up() {
     port=$((WORKER_PORT + i))
     TURBORAG_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0" OMP_NUM_THREADS="$threads" \
       "$PY" -m turborag_integrations.cli serve --host 127.0.0.1 --port "$port" \
-      --store "$RUN/kv-$i" --max-batch "$MAX_BATCH" --max-queue "$MAX_QUEUE" --mode "$MODE" \
+      --kv-store "$RUN/kv-$i" --max-batch "$MAX_BATCH" --max-queue "$MAX_QUEUE" --mode "$MODE" \
       --threads "$threads" > "$RUN/worker-$i.log" 2>&1 &
     echo $! > "$RUN/worker-$i.pid"
   done

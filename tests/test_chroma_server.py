@@ -231,28 +231,29 @@ def run(*args, env: dict | None = None):
 
 def test_cli_ingests_and_asks_through_a_server(server, tmp_path, docs, model_dir):
     ws = tmp_path / "ws"
-    code, out = run("ingest", docs, "--store", ws, "--model", model_dir, "--chunk-tokens", 64,
+    code, out = run("ingest", docs, "--workspace", ws, "--model", model_dir, "--chunk-tokens", 64,
                     "--chroma-url", server, "--json")
     assert code == 0, out
     assert last_json(out)["ingested"] == 3
     assert not (ws / "chroma").exists()  # nothing went to an embedded Chroma
 
-    code, out = run("ask", "Which ship has a blue hull?", "--store", ws, "--chroma-url", server,
+    code, out = run("ask", "Which ship has a blue hull?", "--workspace", ws, "--chroma-url", server,
                     "--json", "--max-new-tokens", 8)
     assert code == 0, out
     report = last_json(out)
     assert report["reused_fraction"] > 0.5 and report["sources"]
 
     # The URL may come from the environment instead.
-    code, out = run("ingest", docs, "--store", ws, "--json", env={"TURBORAG_CHROMA_URL": server})
+    code, out = run("ingest", docs, "--workspace", ws, "--json",
+                    env={"TURBORAG_CHROMA_URL": server})
     assert code == 0, out
     assert last_json(out)["skipped"] == 3
-    code, out = run("store", "stats", "--store", ws, "--chroma-url", server, "--json")
+    code, out = run("store", "stats", "--workspace", ws, "--chroma-url", server, "--json")
     stats = last_json(out)
     assert stats["chunks_indexed"] >= 3 and stats["chroma"] == server
 
     # Asked without the server, the empty embedded Chroma's error says where the chunks are.
-    code, out = run("ask", "Which ship has a blue hull?", "--store", ws)
+    code, out = run("ask", "Which ship has a blue hull?", "--workspace", ws)
     assert code == 2 and f"--chroma-url {server}" in out
 
 
@@ -271,7 +272,7 @@ def test_demo_on_a_server_removes_its_temporary_collection(server, tmp_path, doc
     client = http_client(server)
     before = {c.name for c in client.list_collections()}
     code, out = run("demo", "Which ship has a blue hull?", "--docs", docs, "--model", model_dir,
-                    "--store", tmp_path / "kv", "--chunk-tokens", 64, "--max-new-tokens", 4,
+                    "--kv-store", tmp_path / "kv", "--chunk-tokens", 64, "--max-new-tokens", 4,
                     "--chroma-url", server)
     assert code == 0, out
     assert "sources: a.md" in out and "TTFT TurboRAG:" in out
@@ -297,7 +298,7 @@ def test_no_server_at_the_url_is_a_clear_error_everywhere(tmp_path, docs, model_
         LangChainStore(engine=engine, chroma_url=url)
     with pytest.raises(ChromaUnreachable, match=start):
         Workspace(tmp_path / "ws", chroma_url=url)
-    code, out = run("ingest", docs, "--store", tmp_path / "ws", "--model", model_dir,
+    code, out = run("ingest", docs, "--workspace", tmp_path / "ws", "--model", model_dir,
                     "--chroma-url", url)
     assert code == 2 and url in out and start in out
 

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     Workspace(ws_dir, chunk_tokens=160).ingest([SAMPLE_DOCS])
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "webapp" / "app.py"), "--store", str(ws_dir),
+        [sys.executable, str(ROOT / "examples" / "webapp" / "app.py"), "--workspace", str(ws_dir),
          "--port", str(port), "--max-new-tokens", "24"],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT)

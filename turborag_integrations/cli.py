@@ -28,13 +28,40 @@ ContextOpt = typer.Option(None, "--context-tokens", min=0,
                           "document's text before it (0: alone; default: the engine's)")
 ChromaUrlOpt = typer.Option(
     None, "--chroma-url", envvar="TURBORAG_CHROMA_URL",
-    help="Chroma server for the chunks, e.g. http://127.0.0.1:8000 (start one with `chroma run "
-    "--path ./chroma --port 8000`); default: an embedded Chroma in the workspace folder")
+    help="Chroma server for the chunks, e.g. http://127.0.0.1:8200 (start one with `chroma run "
+    "--path ./chroma --port 8200`); default: an embedded Chroma in the workspace folder")
+
+# One meaning per option name: --workspace is a workspace folder (manifest, chunk index and KV
+# store: ingest, ask, chat, store stats|verify|gc), --kv-store a KV store folder of chunk blobs
+# alone (demo, serve, vllm). --store, which meant either, is refused with the one to use.
+WORKSPACE_HELP = ("workspace folder: the manifest, the chunk index and the KV store (default "
+                  "~/.cache/turborag/workspace or $TURBORAG_WORKSPACE)")
+KV_STORE_HELP = ("KV store folder: the chunks' KV blobs alone (default ~/.cache/turborag/kv or "
+                 "$TURBORAG_STORE)")
+WorkspaceOpt = typer.Option(None, "--workspace", help=WORKSPACE_HELP)
+KVStoreOpt = typer.Option(None, "--kv-store", help=KV_STORE_HELP)
 
 
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _renamed(old: str, message: str):
+    """A hidden option `old` that takes a value and fails at once with `message`: what a flag
+    that was renamed says to a script that still gives it."""
+    def refuse(value):
+        if value is not None:
+            _fail(message)
+    return typer.Option(None, old, hidden=True, expose_value=False, is_eager=True,
+                        callback=refuse)
+
+
+StoreIsWorkspace = _renamed("--store", "--store is now --workspace (the workspace folder); "
+                            "--kv-store names a KV store folder, in demo, serve and vllm")
+StoreIsKVStore = _renamed("--store", "--store is now --kv-store (the KV store folder); "
+                          "--workspace names a workspace folder, in ingest, ask, chat and store "
+                          "stats|verify|gc")
 
 
 def _check_request(mode: str = "turbo", recovery: str | None = None) -> None:
@@ -48,19 +75,48 @@ def _check_request(mode: str = "turbo", recovery: str | None = None) -> None:
             _fail(f"--{flag}: {exc}")
 
 
-def _check_device(device: str, dtype: str) -> None:
-    """Fail, before any model loads, on a device that is not here or a dtype not known."""
-    from .core.errors import ModelError
-    from .core.models import parse_device, parse_dtype
+DeviceOpt = typer.Option("cpu", "--device", help="where the model runs: cpu, cuda, cuda:N, mps "
+                         "or auto (the first accelerator there is)")
+DtypeOpt = typer.Option("float32", "--dtype", help="weights and blobs: float32, bfloat16, "
+                        "float16 or auto (the checkpoint's)")
+ModelKwargsOpt = typer.Option(None, "--model-kwargs", metavar="JSON", show_default=False,
+                              help="keyword arguments for transformers' from_pretrained, as a "
+                              "JSON object, e.g. '{\"revision\": \"main\"}' or "
+                              "'{\"device_map\": \"auto\"}'")
+TokenizerKwargsOpt = typer.Option(None, "--tokenizer-kwargs", metavar="JSON", show_default=False,
+                                  help="keyword arguments for the tokenizer's from_pretrained, "
+                                  "as a JSON object")
 
+
+def _loading(device: str = "cpu", dtype: str = "float32", model_kwargs: str | None = None,
+             tokenizer_kwargs: str | None = None):
+    """How the model loads (a ModelConfig), or one clear failure naming the flag, before any
+    model loads: a device that is not here, an unknown dtype, kwargs that are not a JSON
+    object or that the engine cannot take."""
+    import json
+
+    from .core.errors import ModelError
+    from .core.models import ModelConfig, parse_device, parse_dtype
+
+    for flag, parse, value in (("--device", parse_device, device), ("--dtype", parse_dtype, dtype)):
+        try:
+            parse(value)
+        except ModelError as exc:
+            _fail(f"{flag}: {exc}")
+    kwargs = {}
+    for flag, text in (("--model-kwargs", model_kwargs), ("--tokenizer-kwargs", tokenizer_kwargs)):
+        try:
+            value = {} if text is None else json.loads(text)
+        except json.JSONDecodeError as exc:
+            _fail(f"{flag} is not JSON ({exc.msg}): give an object, e.g. "
+                  "'{\"revision\": \"main\"}'")
+        if not isinstance(value, dict):
+            _fail(f"{flag} must be a JSON object of keyword arguments, not {text}")
+        kwargs[flag[2:].replace("-", "_")] = value
     try:
-        parse_device(device)
-    except ModelError as exc:
-        _fail(f"--device: {exc}")
-    try:
-        parse_dtype(dtype)
-    except ModelError as exc:
-        _fail(f"--dtype: {exc}")
+        return ModelConfig(device=device, dtype=dtype, **kwargs)
+    except (ModelError, TypeError, ValueError) as exc:  # what the kwargs may not hold
+        _fail(f"--model-kwargs: {exc}")
 
 
 def _ingest(ws, paths, *, quiet: bool = False) -> dict:
@@ -95,23 +151,30 @@ def demo(
     docs: Path = typer.Option(SAMPLE_DOCS,
                               help="folder of documents (.txt .md .rst .html .pdf)"),
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
-    store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
+    kv_store: Optional[Path] = KVStoreOpt,
+    old_store: Optional[str] = StoreIsKVStore,
     top_k: int = typer.Option(4, help="chunks to retrieve"),
     chunk_tokens: int = typer.Option(128, help="chunk size in tokens"),
     max_new_tokens: int = typer.Option(64),
     encoder: str = EncoderOpt,
     context_tokens: Optional[int] = ContextOpt,
     chroma_url: Optional[str] = ChromaUrlOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
 ):
     """Answer a question over documents with TurboRAG and compare TTFT with a full prefill."""
     from .core.errors import TurboRAGError
     from .core.settings import GenerationConfig
     from .workspace import Workspace
 
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
     # A workspace for this run only: the documents are indexed afresh each time, while their
     # chunk blobs stay in the KV store, so a rerun reuses them.
     try:
-        with Workspace.temporary(kv_dir=store, model=model, chunk_tokens=chunk_tokens,
+        with Workspace.temporary(kv_dir=kv_store, model=model, chunk_tokens=chunk_tokens,
+                                 loading=loading,
                                  encoder=encoder,
                                  context_tokens=context_tokens, chroma_url=chroma_url) as ws:
             _ingest(ws, [docs])
@@ -152,23 +215,21 @@ def _print_demo_report(answer, full_prefill_ttft: float, stitched_ttft: float,
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the KV store.")
 app.add_typer(store_app, name="store")
 
-StoreOpt = typer.Option(None, "--store", help="workspace folder (default ~/.cache/turborag/"
-                        "workspace or $TURBORAG_WORKSPACE)")
 
 
-def _workspace(store: Optional[Path], model: Optional[str] = None, *, built: bool = False,
+def _workspace(workspace: Optional[Path], model: Optional[str] = None, *, built: bool = False,
                **kwargs):
-    """The workspace at `store`; `built`: one documents were ingested into, else a clear failure
-    that creates no folder (a question over nothing)."""
+    """The workspace at `workspace`; `built`: one documents were ingested into, else a clear
+    failure that creates no folder (a question over nothing)."""
     from .core.errors import TurboRAGError
     from .workspace import Workspace, default_workspace
 
-    if built and not Workspace.built_at(store):
-        where = store or default_workspace()
+    if built and not Workspace.built_at(workspace):
+        where = workspace or default_workspace()
         _fail(f"no documents yet in the workspace {where}: run `turborag ingest PATH"
-              f"{'' if store is None else f' --store {store}'}` first")
+              f"{'' if workspace is None else f' --workspace {workspace}'}` first")
     try:
-        return Workspace(store, model=model, **kwargs)
+        return Workspace(workspace, model=model, **kwargs)
     except TurboRAGError as exc:
         _fail(str(exc))
 
@@ -176,7 +237,8 @@ def _workspace(store: Optional[Path], model: Optional[str] = None, *, built: boo
 @app.command()
 def ingest(
     paths: list[Path] = typer.Argument(..., help="files and folders (.txt .md .rst .html .pdf)"),
-    store: Optional[Path] = StoreOpt,
+    workspace: Optional[Path] = WorkspaceOpt,
+    old_store: Optional[str] = StoreIsWorkspace,
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
     chunk_tokens: int = typer.Option(512, help="chunk size in tokens (first ingestion only)"),
     encoder: Optional[str] = typer.Option(None, help="learned chunk encoding: default (shipped "
@@ -185,14 +247,19 @@ def ingest(
     context_tokens: Optional[int] = ContextOpt,
     json_out: bool = typer.Option(False, "--json", help="print counts as JSON"),
     chroma_url: Optional[str] = ChromaUrlOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
 ):
     """Chunk, embed and encode KV blobs for documents. Reruns skip what is already in."""
     import json
 
     from .core.errors import TurboRAGError
 
-    ws = _workspace(store, model, chunk_tokens=chunk_tokens, encoder=encoder,
-                    chroma_url=chroma_url, context_tokens=context_tokens)
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
+    ws = _workspace(workspace, model, chunk_tokens=chunk_tokens, encoder=encoder,
+                    chroma_url=chroma_url, context_tokens=context_tokens, loading=loading)
     try:
         counts = _ingest(ws, paths, quiet=json_out)
     except TurboRAGError as exc:
@@ -244,7 +311,8 @@ def _print_answer(ws, answer, compare: bool, json_out: bool) -> dict:
 @app.command()
 def ask(
     question: str = typer.Argument(..., help="the question"),
-    store: Optional[Path] = StoreOpt,
+    workspace: Optional[Path] = WorkspaceOpt,
+    old_store: Optional[str] = StoreIsWorkspace,
     model: Optional[str] = typer.Option(None, help="model (default: the one ingested with)"),
     mode: str = typer.Option("turbo", help="turbo (reuse KV blobs) | naive (full prefill) | "
                              "rapid (whole documents, speculative decoding with a RAG drafter)"),
@@ -255,6 +323,10 @@ def ask(
                                         "full precision (same answers; faster on some CPUs)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
     chroma_url: Optional[str] = ChromaUrlOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
 ):
     """Answer a question over the ingested documents, streaming the answer."""
     import json
@@ -268,7 +340,8 @@ def ask(
         config = GenerationConfig(max_new_tokens=max_new_tokens, draft=draft)
     except ValueError as exc:
         _fail(str(exc))
-    ws = _workspace(store, model, built=True, chroma_url=chroma_url)
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
+    ws = _workspace(workspace, model, built=True, chroma_url=chroma_url, loading=loading)
     try:
         # a cold first call times the lazy set-up of torch and the caches, not the answer: the
         # TTFT reported is a warm one (with --compare, for both paths)
@@ -286,17 +359,23 @@ def ask(
 
 @app.command()
 def chat(
-    store: Optional[Path] = StoreOpt,
+    workspace: Optional[Path] = WorkspaceOpt,
+    old_store: Optional[str] = StoreIsWorkspace,
     model: Optional[str] = typer.Option(None),
     top_k: int = typer.Option(4),
     max_new_tokens: int = typer.Option(128),
     chroma_url: Optional[str] = ChromaUrlOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
 ):
     """Ask questions in a loop (empty line or Ctrl-D to quit); earlier turns are kept."""
     from .core.errors import TurboRAGError
     from .core.settings import GenerationConfig
 
-    ws = _workspace(store, model, built=True, chroma_url=chroma_url)
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
+    ws = _workspace(workspace, model, built=True, chroma_url=chroma_url, loading=loading)
     history: list[dict] = []
     while True:
         try:
@@ -320,7 +399,8 @@ def chat(
 @app.command()
 def serve(
     model: Optional[str] = typer.Option(None, help="bundled name, local folder or HF id"),
-    store: Optional[Path] = typer.Option(None, help="KV store folder (default ~/.cache/turborag/kv)"),
+    kv_store: Optional[Path] = KVStoreOpt,
+    old_store: Optional[str] = StoreIsKVStore,
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every network "
                              "interface; set an API key then)"),
     port: int = typer.Option(8000),
@@ -353,10 +433,10 @@ def serve(
                                        help="stitch question-first prompts with the chunks "
                                        "moved before the question (docs/langchain.md)"),
     context_tokens: Optional[int] = ContextOpt,
-    device: str = typer.Option("cpu", help="where the model runs: cpu, cuda, cuda:N, mps or "
-                               "auto (the first accelerator there is)"),
-    dtype: str = typer.Option("float32", help="weights and blobs: float32, bfloat16, float16 "
-                              "or auto (the checkpoint's)"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
     prompt: List[Path] = typer.Option([], "--prompt", show_default=False,
                                       help="the clients' prompt template (repeatable): a .json "
                                       "list of chat messages, or prompt text, with {context} "
@@ -376,7 +456,7 @@ def serve(
     from .core.store import parse_size
 
     _check_request(mode, recovery)
-    _check_device(device, dtype)
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
     try:
         body_limit = parse_size(max_body_bytes)
     except ValueError as exc:
@@ -403,14 +483,14 @@ def serve(
         _fail(f"{exc}: the server needs FastAPI and uvicorn; install them with `bash "
               "scripts/install.sh server` (or pip install 'turborag-integrations[server]')")
     try:
-        engine_config = EngineConfig().with_settings(
-            encoder=encoder, recovery=recovery, question_last=question_last, device=device,
-            dtype=dtype, admit_after=admit_after,
+        engine_config = EngineConfig(model=loading).with_settings(
+            encoder=encoder, recovery=recovery, question_last=question_last,
+            admit_after=admit_after,
             **({} if context_tokens is None else {"context_tokens": context_tokens}))
         server = ServerConfig(mode=mode, max_batch=max_batch, max_queue=max_queue,
                               max_body_bytes=body_limit, api_key=api_key,
                               keys=KeyFile(keys) if keys is not None else None)  # fails early
-        run_server(model, store=store, config=engine_config, server=server, prompts=prompts,
+        run_server(model, store=kv_store, config=engine_config, server=server, prompts=prompts,
                    host=host, port=port, threads=threads)
     except (TurboRAGError, ValueError) as exc:
         _fail(str(exc))
@@ -469,12 +549,19 @@ def keys_revoke(key_id: Optional[str] = typer.Argument(None, help="the key's id 
 def vllm(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m-instruct", help="bundled name or local model folder"),
-    store: Optional[str] = typer.Option(None, help="KV store folder, or a redis:// URL shared by "
-                                        "several vLLM instances (default ~/.cache/turborag/kv)"),
-    store_dir: Optional[Path] = typer.Option(None, help="with a redis:// store: the local disk "
-                                             "tier in front of it"),
+    kv_store: Optional[str] = typer.Option(
+        None, "--kv-store", help=KV_STORE_HELP + "; or a redis:// URL, a Redis tier shared by "
+        "several vLLM instances behind the local disk tier in --kv-store-dir"),
+    kv_store_dir: Optional[Path] = typer.Option(
+        None, "--kv-store-dir", help="with a redis:// --kv-store: the local disk tier in front "
+        "of it (default ~/.cache/turborag/kv or $TURBORAG_STORE)"),
+    old_store: Optional[str] = StoreIsKVStore,
+    old_store_dir: Optional[str] = _renamed("--store-dir", "--store-dir is now --kv-store-dir "
+                                            "(the local disk tier in front of a redis:// "
+                                            "--kv-store)"),
     host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8100, help="where vLLM listens (not on `turborag serve`'s 8000, "
+                             "so that both can run)"),
     encoder: str = EncoderOpt,
     dtype: str = typer.Option("float32", help="vLLM's dtype"),
     blob_dtype: Optional[str] = typer.Option(None, help="the dtype the blobs were encoded in, "
@@ -522,8 +609,8 @@ def vllm(
         model_dir, served = Path(model), None
         if not (model_dir / "config.json").exists():
             _fail(f"{model}: not a bundled model name nor a model folder with a config.json")
-    config = kv_transfer_config(store or str(default_store_path()), encoder=encoder,
-                                store_dir=str(store_dir) if store_dir else None,
+    config = kv_transfer_config(kv_store or str(default_store_path()), encoder=encoder,
+                                store_dir=str(kv_store_dir) if kv_store_dir else None,
                                 blob_dtype=blob_dtype, ingest=ingest,
                                 context_tokens=context_tokens)
     argv = server_argv(python, model_dir, config, host=host, port=port, dtype=dtype,
@@ -536,7 +623,8 @@ def vllm(
 
 
 @store_app.command("stats")
-def store_stats(store: Optional[Path] = StoreOpt,
+def store_stats(workspace: Optional[Path] = WorkspaceOpt,
+                old_store: Optional[str] = StoreIsWorkspace,
                 json_out: bool = typer.Option(False, "--json"),
                 chroma_url: Optional[str] = ChromaUrlOpt):
     """Blobs, bytes on disk (prompt-head and RAPID prefix blobs apart), budgets and documents of
@@ -545,7 +633,7 @@ def store_stats(store: Optional[Path] = StoreOpt,
 
     from .core.store import KVStore
 
-    ws = _workspace(store, chroma_url=chroma_url)
+    ws = _workspace(workspace, chroma_url=chroma_url)
     kv = KVStore(ws.kv_dir, memory_bytes=0)
     usage = kv.disk_usage()
     docs = ws.collection.count()
@@ -559,7 +647,8 @@ def store_stats(store: Optional[Path] = StoreOpt,
 
 
 @store_app.command("verify")
-def store_verify(store: Optional[Path] = StoreOpt,
+def store_verify(workspace: Optional[Path] = WorkspaceOpt,
+                 old_store: Optional[str] = StoreIsWorkspace,
                  remove: bool = typer.Option(False, help="delete the corrupted blobs"),
                  json_out: bool = typer.Option(False, "--json")):
     """Check every blob's checksum; exit 1 if any is corrupted."""
@@ -567,7 +656,7 @@ def store_verify(store: Optional[Path] = StoreOpt,
 
     from .core.store import KVStore
 
-    ws = _workspace(store)
+    ws = _workspace(workspace)
     problems = KVStore(ws.kv_dir, memory_bytes=0).verify(remove=remove)
     if json_out:
         typer.echo(json.dumps({"corrupted": problems}))
@@ -580,7 +669,8 @@ def store_verify(store: Optional[Path] = StoreOpt,
 
 
 @store_app.command("gc")
-def store_gc(store: Optional[Path] = StoreOpt,
+def store_gc(workspace: Optional[Path] = WorkspaceOpt,
+             old_store: Optional[str] = StoreIsWorkspace,
              max_bytes: Optional[str] = typer.Option(
                  None, "--max-bytes", help="then evict the coldest blobs until the store holds at "
                  "most this much: 2GB, 500MiB, 1073741824 (0 empties it)")):
@@ -593,7 +683,7 @@ def store_gc(store: Optional[Path] = StoreOpt,
         limit = parse_size(max_bytes) if max_bytes is not None else None
     except ValueError as exc:
         _fail(f"--max-bytes: {exc}")
-    ws = _workspace(store)
+    ws = _workspace(workspace)
     kv = ws.engine.store
     deleted = kv.gc(keep=ws.engine.fingerprint)
     typer.echo(f"{len(deleted)} blob(s) of other models deleted")
@@ -616,8 +706,10 @@ def store_plan(
     disk_bytes: Optional[str] = typer.Option(None, help="the disk budget to plan against "
                                              "(default: the store's, half the free room)"),
     memory_bytes: str = typer.Option("2GiB", help="the memory tier's budget"),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N | mps"),
-    dtype: str = typer.Option("float32", help="the model's compute dtype"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    model_kwargs: Optional[str] = ModelKwargsOpt,
+    tokenizer_kwargs: Optional[str] = TokenizerKwargsOpt,
     json_out: bool = typer.Option(False, "--json"),
 ):
     """What a corpus will cost before ingesting it: store bytes per tier and encoding hours on
@@ -629,19 +721,20 @@ def store_plan(
     from .core.planner import CorpusShape, calibrate, describe, plan
     from .core.store import StoreConfig, parse_size
 
-    _check_device(device, dtype)
+    loading = _loading(device, dtype, model_kwargs, tokenizer_kwargs)
     try:
         shape = CorpusShape(chunks, chunk_tokens, heads, context_tokens)
         store = StoreConfig(storage_dtype=storage_dtype, memory_bytes=parse_size(memory_bytes),
                             disk_bytes=disk_bytes)
     except ValueError as exc:
         _fail(str(exc))
+    from .core.config import EngineConfig
     from .core.engine import TurboRAGEngine
 
     with tempfile.TemporaryDirectory(prefix="turborag-plan-") as folder:
         try:
-            with TurboRAGEngine(model, store=folder, context_tokens=context_tokens,
-                                device=device, dtype=dtype, progress=False) as engine:
+            with TurboRAGEngine(model, store=folder, config=EngineConfig(model=loading),
+                                context_tokens=context_tokens, progress=False) as engine:
                 report = plan(shape, calibrate(engine, shape, storage_dtype=storage_dtype),
                               store)
         except (TurboRAGError, ValueError) as exc:

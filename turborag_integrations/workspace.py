@@ -9,7 +9,7 @@ The command line and the example web app are thin shells around this class:
     with Workspace.temporary() as ws:        # for one run (`turborag demo`): only the blobs stay
         ...
 
-    ws = Workspace(chroma_url="http://127.0.0.1:8000")   # chunks on a `chroma run` server
+    ws = Workspace(chroma_url="http://127.0.0.1:8200")   # chunks on a `chroma run` server
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from .core.retrieval.embedding import DEFAULT_EMBEDDING, load_embedder
 from .core.engine import GenerationStream, TurboRAGEngine
 from .core.errors import TurboRAGError
 from .core.settings import GenerationConfig
-from .core.models import DEFAULT_MODEL
+from .core.config import EngineConfig
+from .core.models import DEFAULT_MODEL, ModelConfig
 from .core.store import KVStore, default_store_path
 from .documents import UndecodableDocument, find_documents, read_document
 from .core.prompt_template import render_chat
@@ -101,8 +102,9 @@ class Workspace:
 
     def __init__(self, root: str | Path | None = None, *, model: str | None = None,
                  chunk_tokens: int = 512, engine: TurboRAGEngine | None = None,
-                 embedding: str | None = None, encoder: str | None = None,
-                 chroma_url: str | None = None, context_tokens: int | None = None):
+                 encoder: str | None = None,
+                 chroma_url: str | None = None, context_tokens: int | None = None,
+                 loading: ModelConfig | None = None):
         """encoder: the learned chunk encoding (core/prefill/encoding.py): "default" (the file
         shipped for a bundled model; the default for a new workspace), "none", or a file; None
         keeps what the workspace was built with.
@@ -111,10 +113,14 @@ class Workspace:
         before it (docs/concepts.md#context-encoding); None keeps what the workspace was built
         with (TurboRAGEngine's default for a new one).
 
-        chroma_url: a Chroma server (e.g. http://127.0.0.1:8000, started with `chroma run
-        --path DIR --port 8000`) to keep the chunks in, so that several processes can share
+        chroma_url: a Chroma server (e.g. http://127.0.0.1:8200, started with `chroma run
+        --path DIR --port 8200`) to keep the chunks in, so that several processes can share
         them; None keeps them in an embedded Chroma in the folder. The server is contacted
-        here: a bad URL or no server raises a TurboRAGError that says what to do."""
+        here: a bad URL or no server raises a TurboRAGError that says what to do.
+
+        loading: how the model loads (core/models.py `ModelConfig`: device, dtype, transformers
+        keyword arguments); None: on the CPU in float32. Blobs are made in its dtype, so a
+        workspace asked in another dtype encodes its chunks again."""
         self.root = Path(root).expanduser() if root else default_workspace()
         self.root.mkdir(parents=True, exist_ok=True)
         self.chroma_url = chroma_url or None
@@ -124,16 +130,17 @@ class Workspace:
         if manifest and model and manifest["model"] != model:
             raise WorkspaceError(
                 f"workspace {self.root} was built with model {manifest['model']!r}, not "
-                f"{model!r}; use another --store folder, or omit --model")
+                f"{model!r}; use another --workspace folder, or omit --model")
         self.model_name = model or (manifest or {}).get("model") or DEFAULT_MODEL
         self.chunk_tokens = (manifest or {}).get("chunk_tokens", chunk_tokens)
-        self.embedding_name = embedding or (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
+        self.embedding_name = (manifest or {}).get("embedding") or DEFAULT_EMBEDDING
         self.encoder = encoder or (manifest or {}).get("encoder") or "default"
         # a manifest from before context encoding has no entry: its blobs were made without
         self.context_tokens = context_tokens if context_tokens is not None else (
             manifest.get("context_tokens", 0) if manifest else DEFAULT_CONTEXT_TOKENS)
         self.kv_dir = self.root / "kv"
         self._engine = engine
+        self.loading = loading or ModelConfig()
         self._head_added = False
         self._embedder = None
         self._collection = None
@@ -163,6 +170,7 @@ class Workspace:
     def engine(self) -> TurboRAGEngine:
         if self._engine is None:
             self._engine = TurboRAGEngine(self.model_name, store=KVStore(self.kv_dir),
+                                          config=EngineConfig(model=self.loading),
                                           encoder=self.encoder,
                                           context_tokens=self.context_tokens)
         if not self._head_added:
@@ -244,7 +252,7 @@ class Workspace:
         manifest = self._read_manifest()
         if manifest and manifest["fingerprint"] != self.engine.fingerprint.id:
             raise WorkspaceError(f"workspace {self.root} holds blobs of another model setup "
-                                 f"({manifest['model']}); use another --store folder")
+                                 f"({manifest['model']}); use another --workspace folder")
         self._write_manifest()
         counts = {"files": len(files), "skipped": 0, "ingested": 0, "chunks": 0,
                   "unreadable": 0}

@@ -33,12 +33,13 @@ from urllib.parse import urlsplit
 try:
     import anyio
     from fastapi import FastAPI, Request
+    from sse_starlette import EventSourceResponse
 except ImportError as exc:  # the default install has no web framework
     raise SystemExit(f"{exc}: the web app needs FastAPI and uvicorn; install them with "
                      "`bash scripts/install.sh webapp` (or pip install "
                      "'turborag-integrations[webapp]')") from None
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -150,14 +151,16 @@ class LocalOnly:
         await JSONResponse({"message": message}, status_code=403)(scope, receive, send)
 
 
-class EventStream(StreamingResponse):
+class EventStream(EventSourceResponse):
     """Server-sent events whose generator is closed however the response ends.
 
-    When the client disconnects, Starlette cancels the response but leaves the body generator
-    suspended where it was; closing it is what cancels the generation behind it.
+    When the client disconnects, the response is cancelled but the body generator is left
+    suspended where it was; closing it is what cancels the generation behind it. No keep-alive
+    comments: an answer's events come at least every token.
     """
 
-    media_type = "text/event-stream"
+    def __init__(self, events):
+        super().__init__(events, headers={"Cache-Control": "no-cache"}, ping=0, sep="\n")
 
     async def __call__(self, scope, receive, send):
         try:
@@ -167,8 +170,9 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+def sse(event: str, data: dict) -> dict:
+    """One server-sent event, as sse-starlette writes it: `event: NAME` and `data: JSON`."""
+    return {"event": event, "data": json.dumps(data)}
 
 
 def create_app(workspace: Workspace, *, compare: bool = True, max_new_tokens: int = 96,
@@ -262,7 +266,7 @@ def create_app(workspace: Workspace, *, compare: bool = True, max_new_tokens: in
                     if item is not None:
                         yield sse(*item)
 
-        return EventStream(events(), headers={"Cache-Control": "no-cache"})
+        return EventStream(events())
 
     return app
 
@@ -280,9 +284,13 @@ def main(argv=None) -> None:
     import uvicorn
 
     ap = argparse.ArgumentParser(description="TurboRAG chat web app")
-    ap.add_argument("--store", help="workspace folder (default: TURBORAG_WORKSPACE or ~/.cache)")
+    ap.add_argument("--workspace", type=Path, help="workspace folder: the manifest, the chunk "
+                    "index and the KV store (default ~/.cache/turborag/workspace or "
+                    "$TURBORAG_WORKSPACE)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080)  # 8000: turborag serve and vLLM
+    # 8080: apart from turborag serve (8000), turborag vllm (8100) and the Chroma server the
+    # docs suggest (8200)
+    ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                     help="also answer requests addressed to NAME (e.g. this machine's name on "
                          "the network, with --host 0.0.0.0); repeatable")
@@ -294,7 +302,8 @@ def main(argv=None) -> None:
         log.warning("listening on all interfaces, but answering only requests addressed to "
                     "localhost: add --allow-host NAME for the name other machines use")
     compare = not args.no_compare and os.environ.get("TURBORAG_WEBAPP_COMPARE", "1") != "0"
-    app = create_app(Workspace(args.store), compare=compare, max_new_tokens=args.max_new_tokens,
+    app = create_app(Workspace(args.workspace), compare=compare,
+                     max_new_tokens=args.max_new_tokens,
                      allowed_hosts=allowed_host_names(args.host, args.allow_host))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -19,7 +19,7 @@ from turborag_integrations.core.settings import DEFAULT_RECOVERY
 from turborag_integrations.server import app as server_app
 from turborag_integrations.server.config import ServerConfig
 
-DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
+DEFAULTS = {"model": None, "kv_store": None, "host": "127.0.0.1", "port": 8000,
             "encoder": "default", "mode": "turbo",
             "recovery": str(parse_recovery(DEFAULT_RECOVERY)), "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
@@ -30,7 +30,7 @@ DEFAULTS = {"model": None, "store": None, "host": "127.0.0.1", "port": 8000,
 def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
     """What `serve` was given, by the CLI's option names: the engine's and the server's
     configurations read back field by field."""
-    return {"model": model, "store": store, "host": host, "port": port, "threads": threads,
+    return {"model": model, "kv_store": store, "host": host, "port": port, "threads": threads,
             "prompts": prompts, "encoder": config.encoding.encoder,
             "recovery": str(config.query.recovery), "question_last": config.query.question_last,
             "context_tokens": config.encoding.context_tokens, "device": config.model.device,
@@ -49,14 +49,14 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
     result = runner.invoke(cli, ["serve"])
     assert result.exit_code == 0, result.output
     assert calls == [DEFAULTS]
-    result = runner.invoke(cli, ["serve", "--model", "m", "--store", "kv", "--port", "9000",
+    result = runner.invoke(cli, ["serve", "--model", "m", "--kv-store", "kv", "--port", "9000",
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
                                  "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1",
                                  "--question-last", "--context-tokens", "256",
                                  "--admit-after", "2"])
     assert result.exit_code == 0, result.output
-    assert {**calls[1], "store": str(calls[1]["store"])} == {
-        **DEFAULTS, "model": "m", "store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
+    assert {**calls[1], "kv_store": str(calls[1]["kv_store"])} == {
+        **DEFAULTS, "model": "m", "kv_store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
         "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
         "question_last": True, "context_tokens": 256, "admit_after": 2}
     chat = tmp_path / "rag.json"

@@ -201,6 +201,10 @@ def load_model(spec: str | None = None, config: ModelConfig | None = None,
             source, dtype=torch_dtype, attn_implementation="sdpa", **config.model_kwargs)
     except OSError as exc:
         raise ModelError(f"could not load model {spec!r} from {source}: {exc}") from exc
+    except TypeError as exc:  # a keyword argument the model's class does not take
+        raise ModelError(f"transformers refused a keyword argument loading {spec!r} "
+                         f"(model_kwargs {config.model_kwargs}, tokenizer_kwargs "
+                         f"{config.tokenizer_kwargs}): {exc}") from exc
     check_supported(model.config)
     if "device_map" not in config.model_kwargs:  # a device map has placed it already
         model.to(device)

@@ -6,7 +6,7 @@ the way out is bookkeeping: every document it returns is registered as a text th
 should look for, and checked for having been ingested with the engine's model.
 
     store = KVCachingVectorStore(engine=engine, persist_directory="./db")   # embedded Chroma
-    store = KVCachingVectorStore(engine=engine, chroma_url="http://127.0.0.1:8000")  # a server
+    store = KVCachingVectorStore(engine=engine, chroma_url="http://127.0.0.1:8200")  # a server
     store.add_documents(docs)
     chain = store.as_retriever() | format_docs | prompt | TurboRAGChatModel(engine=engine)
 
@@ -134,8 +134,8 @@ class KVCachingVectorStore(VectorStore):
             the same, or share one engine).
         embedding, persist_directory, collection_name, chroma_url, chroma_client: the default
             Chroma store (`DefaultChroma`), refused beside a `vectorstore`. chroma_url keeps it
-            on the Chroma server at this URL (e.g. "http://127.0.0.1:8000", started with
-            `chroma run --path DIR --port 8000`) instead of embedded; a bad URL or no server
+            on the Chroma server at this URL (e.g. "http://127.0.0.1:8200", started with
+            `chroma run --path DIR --port 8200`) instead of embedded; a bad URL or no server
             there raises ChromaURLError or ChromaUnreachable, saying what to do. chroma_client:
             or a chromadb client (`chromadb.HttpClient(...)`, ...) to keep it with.
     """

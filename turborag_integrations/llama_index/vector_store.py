@@ -1,7 +1,7 @@
 """A vector store wrapper that precomputes each node's KV blob as the node is ingested.
 
     store = KVCachingVectorStore(engine)                    # embedded Chroma under the cache dir
-    store = KVCachingVectorStore(engine, url="http://127.0.0.1:8000")   # a `chroma run` server
+    store = KVCachingVectorStore(engine, url="http://127.0.0.1:8200")   # a `chroma run` server
     index = VectorStoreIndex.from_documents(
         docs, storage_context=StorageContext.from_defaults(vector_store=store))
 
@@ -37,8 +37,8 @@ def chroma_vector_store(path: str | Path | None = None, collection: str = DEFAUL
                         *, url: str | None = None):
     """A ChromaVectorStore over an embedded, persistent Chroma, or over a Chroma server.
 
-    `url` (e.g. "http://127.0.0.1:8000", a server started with `chroma run --path DIR --port
-    8000`) connects to that server: a bad URL raises ChromaURLError, no server there
+    `url` (e.g. "http://127.0.0.1:8200", a server started with `chroma run --path DIR --port
+    8200`) connects to that server: a bad URL raises ChromaURLError, no server there
     ChromaUnreachable, both saying what to do. Otherwise the embedded Chroma lives in `path`,
     default `<turborag cache>/chroma` (see `TURBORAG_CACHE`).
     """

@@ -239,7 +239,7 @@ def ingest(texts: Sequence[str], *, url: str, model: str, namespace: str = "",
            options: IngestOptions | None = None, **settings) -> IngestReport:
     """Have a running vLLM (the connector in kv_both) store the blobs of `texts`.
 
-    url: the server (`http://127.0.0.1:8000`, with or without `/v1`); model: its served model
+    url: the server (`http://127.0.0.1:8100`, with or without `/v1`); model: its served model
     name. Each text is one completions request of one new token. contexts: the text before each
     one in its document (None for none), encoded before it as `encode_chunks` does, up to
     `context_tokens` tokens. options: an IngestOptions (the tokenizer, anchor, context tokens and

@@ -46,7 +46,7 @@ def server_argv(python: str | Path, model_dir: str | Path, config: dict, *,
                 extra: Sequence[str] = (), **flags) -> list[str]:
     """The command that starts vLLM's OpenAI server on `model_dir` with `config` as its
     --kv-transfer-config. flags: vLLM's own options by their Python names (host="127.0.0.1",
-    port=8000, dtype, max_model_len, served_model_name, ...): a value becomes `--name value`,
+    port=8100, dtype, max_model_len, served_model_name, ...): a value becomes `--name value`,
     True a bare `--name`, None or False nothing. dtype defaults to float32 and enforce_eager to
     True (on a CPU: no graph compilation to wait for). extra: further arguments as given."""
     flags = {"dtype": "float32", "enforce_eager": True, **flags}

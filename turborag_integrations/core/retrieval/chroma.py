@@ -1,10 +1,10 @@
 """Chroma clients for the vector stores and the workspace: embedded in a folder, or a server's.
 
     chroma_client(path="./chroma")                  # embedded and persistent: no server
-    chroma_client(url="http://127.0.0.1:8000")      # a server started with `chroma run`
+    chroma_client(url="http://127.0.0.1:8200")      # a server started with `chroma run`
 
 The embedded client keeps its index in a SQLite file meant for one process at a time; a server
-(`chroma run --path ./chroma --port 8000`) lets several processes share one index: the command
+(`chroma run --path ./chroma --port 8200`) lets several processes share one index: the command
 line, a web app, a notebook.
 
 Chroma's HTTP client waits without a time limit for a server that does not answer, and reports

@@ -239,7 +239,7 @@ class DiskTier(Tier):
                       }.get(exc.errno, exc.strerror)
             remedy = ("Raise that limit, or lower disk_bytes / prefix_bytes so that blobs this "
                       "large are not stored" if exc.errno == errno.EFBIG else
-                      "Free space or choose another store folder (--store / TURBORAG_STORE)")
+                      "Free space or choose another store folder (--kv-store, TURBORAG_STORE)")
             raise StoreWriteError(exc.errno, f"could not write KV blob to {target}: {reason}. "
                                   f"{remedy}.") from exc
         with self._lock:
