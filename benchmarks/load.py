@@ -63,18 +63,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(model: str | None, store: str | None,
-                 *options: str) -> tuple[subprocess.Popen, str]:
-    """A `turborag serve` worker on a free loopback port (more serve `options` appended), once
-    it answers /health."""
+def start_worker(model: str | None, store: str | None, *options: str,
+                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """A `turborag serve` worker on a free loopback port (more serve `options` appended; `env`:
+    its environment instead of this one's), once it answers /health."""
     port = free_port()
     cmd = [sys.executable, "-m", "turborag_integrations.cli", "serve", "--port", str(port),
            *options]
     if model:
         cmd += ["--model", model]
     if store:
-        cmd += ["--store", store]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cmd += ["--kv-store", store]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 600, "the worker", lambda: proc.stderr.read()[-2000:])
     return proc, url

@@ -19,6 +19,13 @@ loads):
 each with the machine otherwise quiet and with one other process busy on one core (a Python
 loop), measured in turn: the stitched prefill alone (`recovery="none"`), the default
 (`select:0.15`), a full prefill, and decode tokens/s after the default prefill.
+
+`--serve-clients 8` measures serving instead: a `turborag serve` worker per setting ("spin" is
+`GOMP_SPINCOUNT=300000`, libgomp's own default, since the server imports the package before
+torch), its chunks ingested and one request answered before the clock starts, then
+`--serve-requests` streamed greedy chat completions from that many concurrent clients, each
+decoding `--new-tokens` tokens (`ignore_eos`); the busy process runs only while they do.
+Reported: the aggregate decode tokens/s, the median request's decode rate and TTFT.
 """
 
 from __future__ import annotations
@@ -96,12 +103,73 @@ def run_setting(setting: str, busy: bool, args) -> dict:
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "busy": busy}
 
 
+SERVE_SETTINGS = {"spin": {"GOMP_SPINCOUNT": "300000"}, "package": {},
+                  "one thread": {"OMP_NUM_THREADS": "1"}}
+
+
+def serve_setting(setting: str, busy: bool, args) -> dict:
+    """8 (or --serve-clients) concurrent clients against a `turborag serve` of this setting."""
+    sys.path.insert(0, str(HERE))
+    import httpx
+    from load import chunk_texts, ingest, run, start_worker
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    env.update(SERVE_SETTINGS[setting])
+    proc, url = start_worker(None, None, env=env)
+    try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        ingest([url], chunk_texts(max(args.serve_chunks * 2, 8)))
+        extra = {"ignore_eos": True}
+        run([url], model, 1, 1, 600, args.serve_chunks, args.new_tokens, None, extra)  # warm-up
+        load = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            out = run([url], model, args.serve_clients, args.serve_requests, 1200,
+                      args.serve_chunks, args.new_tokens, None, extra)
+        finally:
+            if load is not None:
+                load.kill()
+                load.wait()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    if out["errors"]:
+        raise SystemExit(f"{setting}: {out['errors']} requests failed: {out['error_samples']}")
+    return {"setting": setting, "busy": busy, **out}
+
+
+def serve_main(args) -> int:
+    rows = [serve_setting(s, busy, args) for busy in (False, True) for s in SERVE_SETTINGS]
+    for r in rows:  # against one thread under the same load
+        ref = next(o for o in rows if o["busy"] == r["busy"] and o["setting"] == "one thread")
+        r["decode_vs_one_thread"] = ref["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+    report = {"clients": args.serve_clients, "requests": args.serve_requests,
+              "chunks": args.serve_chunks, "new_tokens": args.new_tokens,
+              "cpus": os.cpu_count(), "serve": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"turborag serve, {args.serve_clients} clients, {args.serve_requests} requests of "
+          f"{args.serve_chunks} chunks and {args.new_tokens} new tokens, {os.cpu_count()} CPUs; "
+          "'vs 1 thr': time against one thread under the same load")
+    print(f"{'load':>10} {'setting':>11} {'tok/s':>7} {'vs 1 thr':>9} {'TTFT p50':>9} "
+          f"{'lat p50':>8}")
+    for r in rows:
+        print(f"{'busy core' if r['busy'] else 'quiet':>10} {r['setting']:>11} "
+              f"{r['decode_tokens_per_s']:>7.1f} {r['decode_vs_one_thread']:>8.2f}x "
+              f"{r['ttft_p50_s']:>8.2f}s {r['latency_p50_s']:>7.2f}s")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--serve-clients", type=int, default=0,
+                    help="measure `turborag serve` with this many concurrent clients instead")
+    ap.add_argument("--serve-requests", type=int, default=16)
+    ap.add_argument("--serve-chunks", type=int, default=4, help="chunks (≈250 tokens) a request")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=list(SETTINGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -111,6 +179,8 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, args.chunks, args.chunk_tokens, args.runs,
                                 args.new_tokens)))
         return 0
+    if args.serve_clients:
+        return serve_main(args)
     rows = [run_setting(s, busy, args) for busy in (False, True) for s in SETTINGS]
     for r in rows:  # against one thread under the same load: the time no barrier wastes
         ref = next(o for o in rows if o["busy"] == r["busy"] and o["setting"] == "one thread")
