@@ -103,6 +103,10 @@ def test_page_streams_answer_sources_and_both_ttfts(server, browser):
         assert browser.find_element(By.ID, figure).text.endswith(" ms")
     reused, total = browser.find_element(By.ID, "reused").text.split(" / ")
     assert 0 < int(reused) <= int(total)
+    full = browser.find_element(By.ID, "full-answer")  # the full prefill's answer beside it
+    assert full.is_displayed() and full.text.strip()
+    about = browser.find_element(By.ID, "about").text  # the model and the documents named
+    assert "over 3 document(s)" in about and "harbor_town_of_velmora.md" in about
 
 
 def test_page_shows_the_servers_refusal(server, browser):

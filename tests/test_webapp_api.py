@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tests.conftest import tiny_model  # noqa: E402
 from turborag_integrations.core.engine import TurboRAGEngine  # noqa: E402
+from turborag_integrations.core.settings import GenerationConfig  # noqa: E402
 from turborag_integrations.workspace import Workspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +155,25 @@ def test_a_good_post_streams_the_answer_then_sources_and_figures(client, headers
     assert 0 < done["reused_tokens"] <= done["prompt_tokens"]
     assert done["ttft_ms"] > 0 and done["full_prefill_ttft_ms"] > 0
     assert done["finish_reason"] == "length"
+
+
+def test_the_full_prefills_answer_stands_beside_turborags(client, workspace):
+    r = client.post("/api/ask", json={"question": QUESTION, "k": 2})
+    events = parse_events(r.text)
+    done = events[-1][1]
+    answer = workspace.ask(QUESTION, k=2, config=GenerationConfig(max_new_tokens=8))
+    for _ in answer:
+        pass
+    expected = workspace.engine.generate(answer.prompt, mode="naive",
+                                         config=GenerationConfig(max_new_tokens=8)).text
+    assert done["full_prefill_answer"] == expected != ""
+
+
+def test_the_page_names_the_model_and_the_documents(client, workspace):
+    info = client.get("/api/info").json()
+    assert info["model"] == workspace.model_name
+    assert sorted(Path(p).name for p in info["documents"]) == sorted(
+        p.name for p in SAMPLE_DOCS.glob("*.md"))
 
 
 def test_compare_false_skips_the_full_prefill(client):

@@ -386,8 +386,19 @@ class Workspace:
 
     def full_prefill_ttft(self, answer: Answer) -> float:
         """TTFT of the same prompt with everything prefilled (the comparison baseline)."""
-        one = GenerationConfig(max_new_tokens=1)
-        return self.engine.generate(answer.prompt, config=one, mode="naive").stats.ttft_s
+        return self.full_prefill(answer, GenerationConfig(max_new_tokens=1)).stats.ttft_s
+
+    def full_prefill(self, answer: Answer, config: GenerationConfig | None = None):
+        """The same prompt answered with everything prefilled, as the model answers without
+        the package: the answer to set beside TurboRAG's (a GenerationResult)."""
+        return self.engine.generate(answer.prompt, config=config, mode="naive")
+
+    def documents(self) -> list[str]:
+        """The files ingested into this workspace, as they were named to `ingest`."""
+        if not self.built_at(self.root):
+            return []
+        found = self.collection.get(include=["metadatas"])["metadatas"]
+        return sorted({m["source"] for m in found if m and "source" in m})
 
     def stitched_ttft(self, answer: Answer) -> float:
         """TTFT of the same prompt from its chunks' blobs with no query-time recovery: what the
