@@ -290,3 +290,27 @@ def test_drafted_decoding_in_a_query_engine_gives_the_same_answer(index, engine)
     assert llm.last_result.stats.extra["drafted_tokens"] > 0
     with pytest.raises(ValueError, match="draft must be one of"):
         TurboRAGLLM(engine, draft="int4").complete("hi")
+
+
+def test_the_model_tokenizer_counts_for_llama_index_offline(index, engine, monkeypatch):
+    """`Settings.tokenizer = llm.tokenize`: LlamaIndex's prompt packing counts the model's own
+    tokens (not tiktoken's), without the network, and a stock query engine still answers."""
+    import time
+
+    import llama_index.core
+    from llama_index.core import Settings
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = TurboRAGLLM(engine, max_new_tokens=8)
+    text = "The Tall Widow lighthouse stands 41 metres high on the cliffs of Velmora."
+    started = time.perf_counter()
+    ids = llm.tokenize(text)
+    assert time.perf_counter() - started < 1.0
+    assert ids == engine.tokenizer(text, add_special_tokens=False)["input_ids"] and ids
+    # what `Settings.tokenizer = llm.tokenize` sets, put back after the test
+    monkeypatch.setattr(llama_index.core, "global_tokenizer", llm.tokenize)
+    assert Settings.tokenizer(text) == ids
+    qe = index.as_query_engine(llm=llm, node_postprocessors=[llm.postprocessor()],
+                               similarity_top_k=2)
+    reply, _ = answer(qe)
+    assert llm.last_result.stats.cache_hits >= 1 and llm.last_result.token_ids

@@ -159,6 +159,12 @@ class TurboRAGLLM(EngineBound, StreamingLLM):
                            messages_to_prompt=self.messages_to_prompt,
                            completion_to_prompt=self.completion_to_prompt, **fields)
 
+    def tokenize(self, text: str) -> list[int]:
+        """`text`'s token ids under the model's own tokenizer, offline. LlamaIndex packs prompts
+        by `Settings.tokenizer`'s count (tiktoken's GPT encoding unless set): `Settings.tokenizer
+        = llm.tokenize` makes it count as the model does."""
+        return self._engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.context_window, num_output=self.max_new_tokens,
