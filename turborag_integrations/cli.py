@@ -448,6 +448,13 @@ def serve(
                                               "and a chunk's blob is encoded in the background "
                                               "on its K-th retrieval (1: on first use; default: "
                                               "every chunk at ingestion; docs/kv_store.md)"),
+    rapid_drafter: Optional[str] = typer.Option(None, "--rapid-drafter", metavar="MODEL",
+                                                show_default=False,
+                                                help="answer chat requests that send "
+                                                "turborag_rapid with RAPID, this model drafting "
+                                                "(a bundled name, folder or HF id of the served "
+                                                "model's vocabulary, loaded like it; self: the "
+                                                "served model drafts for itself; docs/rapid.md)"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
     whose prompts reuse the KV blobs of the chunks ingested through /v1/turborag/chunks; requests
@@ -468,6 +475,8 @@ def serve(
     if api_key is not None and keys is not None:
         _fail("give --api-key (one key, no tenants) or --keys (a file of tenants' keys), not "
               "both")
+    if rapid_drafter is not None and keys is not None:
+        _fail("--rapid-drafter cannot serve --keys: RAPID's caches are not split by tenant")
     from .core.config import EngineConfig
     from .core.prompt_template import read_prompt_template
 
@@ -489,7 +498,8 @@ def serve(
             **({} if context_tokens is None else {"context_tokens": context_tokens}))
         server = ServerConfig(mode=mode, max_batch=max_batch, max_queue=max_queue,
                               max_body_bytes=body_limit, api_key=api_key,
-                              keys=KeyFile(keys) if keys is not None else None)  # fails early
+                              keys=KeyFile(keys) if keys is not None else None,  # fails early
+                              rapid_drafter=rapid_drafter)
         run_server(model, store=kv_store, config=engine_config, server=server, prompts=prompts,
                    host=host, port=port, threads=threads)
     except (TurboRAGError, ValueError) as exc:

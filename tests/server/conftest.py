@@ -4,9 +4,11 @@ app on uvicorn on a loopback port for clients that need a real socket."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -133,3 +135,22 @@ def final_stats(body: bytes) -> dict:
     if body.lstrip().startswith(b"{"):
         return json.loads(body)["turborag"]
     return [e for e in sse_events(body) if isinstance(e, dict)][-1]["turborag"]
+
+
+def post_raw(base_url: str, body: dict) -> socket.socket:
+    """POST a chat completion on a raw socket, so that the test decides when this client
+    leaves."""
+    address = urlsplit(base_url)
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    sock = socket.create_connection((address.hostname, address.port), timeout=60)
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def first_chunk(sock: socket.socket) -> None:
+    """Return once the first streamed chunk has arrived (the engine is generating)."""
+    with sock.makefile("rb") as lines:  # closing the file leaves the socket open
+        if not any(line.startswith(b"data: ") for line in lines):
+            raise AssertionError("the stream ended before its first chunk")

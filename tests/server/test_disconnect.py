@@ -5,19 +5,16 @@ no request holds a thread of its own while it waits.
 The server here decodes one request at a time (max_batch=1), so that the next request can only
 start once the place is free."""
 
-import json
 import logging
 import re
-import socket
 import threading
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from turborag_integrations.server.app import create_app
 
-from .conftest import running, wait_until
+from .conftest import first_chunk, post_raw, running, wait_until
 
 LONG = 1500  # tokens: seconds of decoding; the answers never end early (conftest.make_engine)
 
@@ -31,25 +28,6 @@ def app(engine):
 def base_url(app):
     with running(app) as url:
         yield url
-
-
-def post_raw(base_url: str, body: dict) -> socket.socket:
-    """POST a chat completion on a raw socket, so that the test decides when this client
-    leaves."""
-    address = urlsplit(base_url)
-    payload = json.dumps(body).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-    sock = socket.create_connection((address.hostname, address.port), timeout=60)
-    sock.sendall(head.encode() + payload)
-    return sock
-
-
-def first_chunk(sock: socket.socket) -> None:
-    """Return once the first streamed chunk has arrived (the engine is generating)."""
-    with sock.makefile("rb") as lines:  # closing the file leaves the socket open
-        if not any(line.startswith(b"data: ") for line in lines):
-            raise AssertionError("the stream ended before its first chunk")
 
 
 def long_answer(engine, question: str) -> dict:

@@ -24,7 +24,7 @@ DEFAULTS = {"model": None, "kv_store": None, "host": "127.0.0.1", "port": 8000,
             "recovery": str(parse_recovery(DEFAULT_RECOVERY)), "max_batch": 8, "max_queue": 64,
             "max_body_bytes": 8 * 2**20, "api_key": None, "keys": None, "threads": None,
             "question_last": False, "context_tokens": DEFAULT_CONTEXT_TOKENS, "prompts": [],
-            "device": "cpu", "dtype": "float32", "admit_after": None}
+            "device": "cpu", "dtype": "float32", "admit_after": None, "rapid_drafter": None}
 
 
 def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
@@ -37,7 +37,7 @@ def flat(model, *, store, config, server, prompts, host, port, threads) -> dict:
             "admit_after": config.admission.admit_after,
             "dtype": config.model.dtype, "mode": server.mode, "max_batch": server.max_batch,
             "max_queue": server.max_queue, "max_body_bytes": server.max_body_bytes,
-            "api_key": server.api_key, "keys": server.keys}
+            "api_key": server.api_key, "keys": server.keys, "rapid_drafter": server.rapid_drafter}
 
 
 def test_serve_options_reach_the_server(monkeypatch, tmp_path):
@@ -53,12 +53,12 @@ def test_serve_options_reach_the_server(monkeypatch, tmp_path):
                                  "--mode", "naive", "--max-batch", "4", "--max-queue", "10",
                                  "--max-body-bytes", "1MiB", "--api-key", "k1", "--threads", "1",
                                  "--question-last", "--context-tokens", "256",
-                                 "--admit-after", "2"])
+                                 "--admit-after", "2", "--rapid-drafter", "self"])
     assert result.exit_code == 0, result.output
     assert {**calls[1], "kv_store": str(calls[1]["kv_store"])} == {
         **DEFAULTS, "model": "m", "kv_store": "kv", "port": 9000, "mode": "naive", "max_batch": 4,
         "max_queue": 10, "max_body_bytes": 2**20, "api_key": "k1", "threads": 1,
-        "question_last": True, "context_tokens": 256, "admit_after": 2}
+        "question_last": True, "context_tokens": 256, "admit_after": 2, "rapid_drafter": "self"}
     chat = tmp_path / "rag.json"
     messages = [{"role": "system", "content": "Answer from the context."},
                 {"role": "user", "content": "Context:\n{context}\n\nQuestion: {question}"}]
@@ -89,7 +89,10 @@ def test_serve_refuses_bad_options(monkeypatch, tmp_path):
                        (["--device", "gpu"], "--device: unknown device 'gpu'"),
                        (["--dtype", "half"], "--dtype: unknown dtype 'half'"),
                        (["--recovery", "fancy:3"], "--recovery: unknown recovery 'fancy:3'"),
-                       (["--admit-after", "0"], "admit_after must be an integer ≥ 1")):
+                       (["--admit-after", "0"], "admit_after must be an integer ≥ 1"),
+                       (["--rapid-drafter", " "], "the RAPID drafter is empty"),
+                       (["--rapid-drafter", "self", "--keys", "keys.json"],
+                        "--rapid-drafter cannot serve --keys")):
         result = runner.invoke(cli, ["serve", *args])
         assert result.exit_code == 2 and says in result.output, (args, result.output)
     for args, says in ((["--prompt", "missing.txt"], "cannot read the prompt template"),
@@ -135,4 +138,42 @@ def test_serve_loads_on_a_thread_that_ends_and_warms_up_on_the_schedulers(monkey
     assert ran[2] == "close"
     assert engine.library.prompt_heads == [tuple(engine.tokenizer("Read:\n", add_special_tokens=False)
                                          ["input_ids"])]  # the template's head, before serving
+    app.state.scheduler.close()  # uvicorn did not run the app's shutdown
+
+
+def rapid_refusal(monkeypatch, model_dir, tmp_path, drafter: str):
+    """`turborag serve --rapid-drafter DRAFTER` over the tiny model; serving must not start."""
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("served"))
+    return CliRunner().invoke(cli, ["serve", "--model", model_dir, "--kv-store",
+                                    str(tmp_path / "kv"), "--rapid-drafter", drafter])
+
+
+def test_a_drafter_that_does_not_load_fails_before_serving(monkeypatch, model_dir, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    result = rapid_refusal(monkeypatch, model_dir, tmp_path, missing)
+    assert result.exit_code == 2, result.output
+    assert f"the RAPID drafter {missing!r} did not load: could not load model" in result.output
+
+
+def test_a_drafter_of_another_vocabulary_fails_before_serving(monkeypatch, model_dir, tmp_path):
+    from tests.conftest import tiny_model
+
+    other = tiny_model("llama", merges=(("Ġ", "t"),))  # one token more: another vocabulary
+    other.model.save_pretrained(tmp_path / "other")
+    other.tokenizer.save_pretrained(tmp_path / "other")
+    result = rapid_refusal(monkeypatch, model_dir, tmp_path, str(tmp_path / "other"))
+    assert result.exit_code == 2, result.output
+    assert "RAPID needs one vocabulary" in result.output
+
+
+def test_serve_loads_and_warms_up_a_rapid_drafter(monkeypatch, model_dir, tmp_path):
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.append(app))
+    result = CliRunner().invoke(cli, ["serve", "--model", model_dir, "--kv-store",
+                                      str(tmp_path / "kv"), "--rapid-drafter", model_dir])
+    assert result.exit_code == 0, result.output
+    (app,) = ran
+    rapid = app.state.rapid
+    assert rapid.drafter is not rapid.target and rapid.drafter.store is rapid.target.store
+    assert rapid.drafter.config.model == rapid.target.config.model
     app.state.scheduler.close()  # uvicorn did not run the app's shutdown

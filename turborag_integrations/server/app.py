@@ -4,7 +4,8 @@ health and metrics.
     app = create_app(engine, max_batch=8)  # or: turborag serve --model ... --kv-store ...
                                            # (settings: ServerConfig, server/config.py)
 
-    POST /v1/chat/completions, /v1/completions    OpenAI's bodies; "stream": true for SSE
+    POST /v1/chat/completions, /v1/completions    OpenAI's bodies; "stream": true for SSE;
+                                                  "turborag_rapid": true for RAPID (rapid.py)
     POST /v1/turborag/chunks                      {"texts": [...]}: encode blobs, index texts
     GET  /v1/models, /health, /metrics            (metrics: Prometheus text format)
 
@@ -34,11 +35,13 @@ from ..core.engine import TurboRAGEngine
 from ..core.prompt_template import Template, render_prompt_template
 from ..core.registry import ChunkRegistry
 from ..core.config import EngineConfig
+from ..core.rapid import RapidEngine
 from ..core.settings import with_fields
-from .config import ServerConfig
+from .config import NO_RAPID_FOR_TENANTS, ServerConfig
 from .finder import ChunkFinder
 from .guards import Authenticate, LimitBody
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
+from .rapid import NO_DRAFTER, RapidAnswers, load_rapid
 from .responses import APIError, Reply
 from .schemas import ChatCompletionRequest, ChunksRequest, CompletionRequest
 from .service import Service
@@ -85,14 +88,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
-               registry: ChunkRegistry | None = None, **settings) -> FastAPI:
+               registry: ChunkRegistry | None = None, rapid: RapidEngine | None = None,
+               **settings) -> FastAPI:
     """The server over `engine`.
 
     config: a ServerConfig (server/config.py: the model name clients send, the default mode,
-    batch and queue sizes, body limits, the API key or the tenants' keys file); `settings` are
-    its fields by name, applied on top of it. registry: where adapters in this process record
-    chunk texts, followed by the server's lookup (default: the engine's own,
-    `ChunkRegistry.for_engine`).
+    batch and queue sizes, body limits, the API key or the tenants' keys file, a RAPID
+    drafter to load); `settings` are its fields by name, applied on top of it. registry: where
+    adapters in this process record chunk texts, followed by the server's lookup (default: the
+    engine's own, `ChunkRegistry.for_engine`). rapid: answer RAPID requests with this
+    RapidEngine over `engine` (instead of `rapid_drafter`, for settings of one's own:
+    `RapidEngine(engine, drafter, gamma=4)`); the app closes only a drafter it loaded.
 
     The app's `BatchScheduler` (`app.state.scheduler`) owns the model from now on and stops
     when the app shuts down: run nothing else on the engine meanwhile (`scheduler.call` runs a
@@ -100,6 +106,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     """
     config = with_fields(config or ServerConfig(), "server", **settings)
     keys = config.keys
+    rapid, loaded_drafter = _rapid_engine(engine, config, rapid)
     finder = ChunkFinder(registry if registry is not None else ChunkRegistry.for_engine(engine))
     scheduler = BatchScheduler(engine, max_batch=config.max_batch)
     metrics = Metrics(queue_depth=lambda: service.waiting, batch_size=lambda: scheduler.in_flight,
@@ -107,6 +114,7 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
                       indexed_chunks=lambda: service.indexed, admission=engine.admission,
                       tenants=keys is not None)
     service = Service(engine, finder, scheduler, metrics, config)
+    answers = RapidAnswers(rapid, service) if rapid is not None else None
     started = int(time.time())
 
     @asynccontextmanager
@@ -114,11 +122,14 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
         yield
         await asyncio.to_thread(scheduler.close, 60)  # answers under way end first
         service.close()
+        if loaded_drafter is not None:
+            loaded_drafter.close()
 
     app = FastAPI(title="TurboRAG", summary="OpenAI-compatible completions that reuse chunk KV "
                   "caches", lifespan=lifespan)
     app.state.service = service
     app.state.scheduler = scheduler
+    app.state.rapid = rapid
     # Outermost last: count every request, then check its key, then its size.
     app.add_middleware(LimitBody, max_bytes=config.max_body_bytes,
                        timeout_s=config.body_timeout_s)
@@ -142,13 +153,18 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         service.check(req)
+        if req.turborag_rapid is not None and answers is None:
+            raise APIError(400, NO_RAPID_FOR_TENANTS if keys is not None else NO_DRAFTER,
+                           param="turborag_rapid", code="unsupported_parameter")
         try:
             prompt = render_chat(engine.tokenizer, req.chat())
         except Exception as exc:  # the model's template refuses some turn orders and roles
             raise APIError(400, f"the model's chat template refused these messages: {exc}",
                            param="messages") from None
-        return await service.complete(request, req, prompt,
-                                      Reply(chat=True, model=service.model_name))
+        reply = Reply(chat=True, model=service.model_name)
+        if req.turborag_rapid is not None:
+            return await answers.complete(request, req, prompt, reply)
+        return await service.complete(request, req, prompt, reply)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -181,6 +197,23 @@ def create_app(engine: TurboRAGEngine, *, config: ServerConfig | None = None,
     return app
 
 
+def _rapid_engine(engine: TurboRAGEngine, config: ServerConfig,
+                  rapid: RapidEngine | None) -> tuple[RapidEngine | None, TurboRAGEngine | None]:
+    """The app's RapidEngine (None: no RAPID), and the drafter it loaded for it, if any (the
+    app closes that one)."""
+    if rapid is not None and config.rapid_drafter is not None:
+        raise ValueError("give a RapidEngine (rapid=) or a drafter to load (rapid_drafter), "
+                         "not both")
+    if rapid is not None and rapid.target is not engine:
+        raise ValueError("rapid= must be a RapidEngine whose target is the served engine")
+    if rapid is not None and config.keys is not None:
+        raise ValueError(NO_RAPID_FOR_TENANTS)
+    if config.rapid_drafter is None:
+        return rapid, None
+    rapid = on_own_thread(lambda: load_rapid(engine, config.rapid_drafter))
+    return rapid, (rapid.drafter if rapid.drafter is not engine else None)
+
+
 def serve(model: str | None = None, *, store: str | Path | None = None,
           config: EngineConfig | None = None, server: ServerConfig | None = None,
           prompts: Sequence[Template] = (), host: str = "127.0.0.1", port: int = 8000,
@@ -195,7 +228,8 @@ def serve(model: str | None = None, *, store: str | Path | None = None,
     process has taken (measured: 5.8x fewer requests/s; docs/serving.md). `prompts`: the
     clients' prompt templates (core/prompt_template.py), whose heads get lead blobs.
     config: the engine's (core/config.py: device, dtype, encoding, recovery); server: the
-    app's (server/config.py).
+    app's (server/config.py). A RAPID drafter it names (`rapid_drafter`) loads as the model
+    did, and is warmed up too, before serving: one that fails to load fails here.
     """
     import uvicorn
 
@@ -211,6 +245,9 @@ def serve(model: str | None = None, *, store: str | Path | None = None,
         for template in prompts:  # a template the engine cannot take fails before serving
             head = engine.add_prompt(render_prompt_template(template, engine.tokenizer))
             log.info("lead blobs after a prompt head of %d characters", len(head))
-        app = create_app(engine, config=server)
+        app = create_app(engine, config=server)  # loads the RAPID drafter, if one is named
         app.state.scheduler.call(engine.warmup).result()
+        rapid = app.state.rapid
+        if rapid is not None and rapid.drafter is not engine:
+            app.state.scheduler.call(rapid.drafter.warmup).result()
         uvicorn.run(app, host=host, port=port, log_level="info")

@@ -17,6 +17,12 @@ each scrape (`LiveFigures`).
     turborag_cache_hit_ratio                     hits / (hits + misses) so far (0 before any)
     turborag_prompt_tokens_total, turborag_reused_tokens_total, turborag_completion_tokens_total
     turborag_indexed_chunks                      chunk texts the server finds in prompts
+    turborag_rapid_requests_total                RAPID answers (`turborag_rapid`), however they ended
+    turborag_rapid_drafted_tokens_total, turborag_rapid_accepted_tokens_total
+                                                 their drafts verified, and those accepted
+
+A RAPID answer counts as a generation too: its prompt tokens are its target's (the whole
+context), its reused tokens those the target read from its prefix cache.
 
 With tenants (a keys file), the same figures per tenant as well, for the admin who reads them:
 
@@ -30,13 +36,16 @@ series beside each counter and histogram (PROMETHEUS_DISABLE_CREATED_SERIES=True
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..core.run import GenerationStats
+from ..core.run import GenerationStats, RunStats
+
+if TYPE_CHECKING:
+    from ..core.rapid import RapidStats
 
 # what generate_latest writes (the library's CONTENT_TYPE_LATEST names its 1.0.0 format)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -47,6 +56,9 @@ TOTALS = (("cache_hits", "Chunks in prompts whose KV blob was found in the store
           ("prompt_tokens", "Prompt tokens of all generations."),
           ("reused_tokens", "Prompt tokens read from stored KV blobs instead of prefilled."),
           ("completion_tokens", "Tokens generated."))
+RAPID_TOTALS = (("requests", "RAPID answers, however they ended."),
+                ("drafted_tokens", "Tokens RAPID's drafter proposed for verification."),
+                ("accepted_tokens", "Drafted tokens the target accepted."))
 
 
 class LiveFigures:
@@ -100,6 +112,8 @@ class Metrics:
                                    registry=registry)
         self.totals = {name: Counter(f"turborag_{name}", help, registry=registry)
                        for name, help in TOTALS}
+        self.rapid_totals = {name: Counter(f"turborag_rapid_{name}", help, registry=registry)
+                             for name, help in RAPID_TOTALS}
         self.by_tenant: dict[str, Counter] | None = None
         if tenants:
             self.by_tenant = {
@@ -154,14 +168,7 @@ class Metrics:
         """Count one generation that has ended (however it ended), for `tenant` too if given."""
         if self.by_tenant is None:
             tenant = None
-        reason = stats.finish_reason or "unknown"
-        self.generations.labels(reason).inc()
-        if tenant is not None:
-            self.by_tenant["generations"].labels(tenant, reason).inc()
-        if stats.new_tokens:
-            self.ttft.observe(stats.ttft_s)
-        if stats.new_tokens > 1:
-            self.decode_rate.observe(stats.decode_tokens_per_s)
+        self._ended(stats, tenant)
         for name, value in (("cache_hits", stats.cache_hits),
                             ("cache_misses", stats.cache_misses),
                             ("prompt_tokens", stats.prompt_tokens),
@@ -170,6 +177,28 @@ class Metrics:
             self.totals[name].inc(value)
             if tenant is not None:
                 self.by_tenant[name].labels(tenant).inc(value)
+
+    def rapid(self, stats: RapidStats) -> None:
+        """Count one RAPID answer that has ended (however it ended). Never a tenant's."""
+        self._ended(stats, None)
+        for name, value in (("prompt_tokens", stats.target_prompt_tokens),
+                            ("reused_tokens", stats.target_reused_tokens),
+                            ("completion_tokens", stats.new_tokens)):
+            self.totals[name].inc(value)
+        for name, value in (("requests", 1), ("drafted_tokens", stats.drafted),
+                            ("accepted_tokens", stats.accepted)):
+            self.rapid_totals[name].inc(value)
+
+    def _ended(self, stats: RunStats, tenant: str | None) -> None:
+        """What every generation counts: how it ended, its time to first token, its speed."""
+        reason = stats.finish_reason or "unknown"
+        self.generations.labels(reason).inc()
+        if tenant is not None:
+            self.by_tenant["generations"].labels(tenant, reason).inc()
+        if stats.new_tokens:
+            self.ttft.observe(stats.ttft_s)
+        if stats.new_tokens > 1:
+            self.decode_rate.observe(stats.decode_tokens_per_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

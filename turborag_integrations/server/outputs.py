@@ -20,7 +20,7 @@ its engine the same way).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from ..core.batching import BatchScheduler, RequestOutput
 from ..core.decode.loop import now
@@ -28,6 +28,14 @@ from ..core.request import Request
 from ..core.run import GenerationResult, RunProgress
 
 Event = tuple[str, object]  # ("delta", str) | ("done", GenerationResult) | ("error", exception)
+
+
+class Events(Protocol):
+    """What a handler reads a generation's events from: a `RequestStream`, or a RAPID answer's
+    (server/rapid.py)."""
+
+    async def next(self) -> Event | None:
+        """The next event; None once the generation has ended or was aborted."""
 
 
 class RequestStream:

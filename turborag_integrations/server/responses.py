@@ -3,7 +3,8 @@ whole or as streamed chunks, their usage, and errors.
 
 Each answer carries the TurboRAG figures of its generation in an extra field, `turborag` (on the
 last chunk of a stream): TTFT, tokens reused from the KV store and prefilled, blobs found and
-missed, and how long finding the chunks in the prompt took.
+missed, and how long finding the chunks in the prompt took; a RAPID answer's are `RapidStats`
+(drafts, acceptance, the policy's decisions), with "mode": "rapid".
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from ..core.errors import ContextWindowError
-from ..core.run import GenerationResult, GenerationStats
+from ..core.rapid import RapidStats
+from ..core.run import GenerationResult, RunStats
 
 STATS_FIELD = "turborag"
 # The engine's reasons; a generation cut short by its client is never answered.
@@ -55,11 +57,24 @@ class APIError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
-def usage(stats: GenerationStats) -> dict:
-    """OpenAI's usage, with the reused prompt tokens as cached tokens."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.reused_tokens}}
+def usage(stats: RunStats) -> dict:
+    """OpenAI's usage, with the reused prompt tokens as cached tokens (a RAPID answer's prompt
+    is its target's: the drafter's is extra work, not the client's prompt)."""
+    if isinstance(stats, RapidStats):
+        prompt, cached = stats.target_prompt_tokens, stats.target_reused_tokens
+    else:
+        prompt, cached = stats.prompt_tokens, stats.reused_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": stats.new_tokens,
+            "total_tokens": prompt + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def figures(stats: RunStats) -> dict:
+    """The `turborag` field of an answer: its generation's stats."""
+    out = stats.as_dict()
+    if isinstance(stats, RapidStats):
+        out["mode"] = "rapid"
+    return out
 
 
 def event_data(data: dict | str) -> str:
@@ -92,7 +107,7 @@ class Reply:
                    else {"text": result.text})
         out = self._envelope({**content, "finish_reason": reason}, chunk=False)
         out["usage"] = usage(result.stats)
-        out[STATS_FIELD] = result.stats.as_dict()
+        out[STATS_FIELD] = figures(result.stats)
         return out
 
     def chunk(self, text: str, *, finish_reason: str | None = None, first: bool = False) -> dict:
@@ -116,7 +131,7 @@ class Reply:
                                                                     "stop"))
         last = {**finishing, "choices": []} if include_usage else finishing
         last["usage"] = usage(result.stats)
-        last[STATS_FIELD] = result.stats.as_dict()
+        last[STATS_FIELD] = figures(result.stats)
         return [finishing, last] if include_usage else [last]
 
 

@@ -8,6 +8,8 @@ the client gets a 400 instead of a silently different answer.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -31,6 +33,43 @@ def check_cache_salt(salt: str | None) -> str | None:
     if any(c in salt for c in CACHE_SALT_FORBIDDEN):
         raise ValueError("cache_salt must not contain '@', '/', '\\' or NUL")
     return salt
+
+
+# A round of RAPID holds the model (the batch waits for it): γ bounds how long.
+MAX_RAPID_GAMMA = 32
+RAPID_FORM = ('true, or an object of per-request overrides, {"gamma": an integer from 1 to '
+              f'{MAX_RAPID_GAMMA}, "eta": a number ≥ 0}} (both optional)')
+
+
+@dataclass(frozen=True)
+class RapidOptions:
+    """A RAPID request's overrides of the server's γ and η (None: the server's)."""
+
+    gamma: int | None = None
+    eta: float | None = None
+
+
+def rapid_options(value: Any) -> RapidOptions | None:
+    """`turborag_rapid` as sent: None for an ordinary request (absent, null or false)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return RapidOptions()
+    if isinstance(value, RapidOptions):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"turborag_rapid is {RAPID_FORM}")
+    unknown = sorted(set(value) - {"gamma", "eta"})
+    if unknown:
+        raise ValueError(f"turborag_rapid takes gamma and eta, not {unknown[0]!r}")
+    gamma, eta = value.get("gamma"), value.get("eta")
+    if gamma is not None and (type(gamma) is not int or not 1 <= gamma <= MAX_RAPID_GAMMA):
+        raise ValueError(f"turborag_rapid.gamma must be an integer from 1 to {MAX_RAPID_GAMMA}, "
+                         f"not {gamma!r}")
+    if eta is not None and (type(eta) not in (int, float) or not 0 <= eta < math.inf):
+        raise ValueError(f"turborag_rapid.eta must be a finite number ≥ 0 (0: the target's own "
+                         f"answer), not {eta!r}")
+    return RapidOptions(gamma, None if eta is None else float(eta))
 
 
 def _valid_unicode(value: Any) -> Any:
@@ -106,11 +145,21 @@ class CompletionParams(Salted):
     tokens the question attends to most), "select:auto", "boundary:16", "none", …
     (core/prefill/recovery.py); unset: the server's (`turborag serve --recovery`)."""
 
+    turborag_rapid: RapidOptions | None = None
+    """Answer with RAPID (docs/rapid.md): true, or {"gamma": …, "eta": …} to override the
+    server's for this request. Chat completions only, on a server started with
+    `--rapid-drafter` (server/rapid.py says which messages it takes)."""
+
     @field_validator("turborag_recovery")
     @classmethod
     def _recovery(cls, value: str | None) -> str | None:
         Request("", recovery=value)  # a spec that does not parse: a 400 naming the accepted ones
         return value
+
+    @field_validator("turborag_rapid", mode="before")
+    @classmethod
+    def _rapid(cls, value: Any) -> RapidOptions | None:
+        return rapid_options(value)
 
     @property
     def token_limit(self) -> int | None:
@@ -214,6 +263,10 @@ class CompletionRequest(CompletionParams):
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
+        if self.turborag_rapid is not None:
+            return "turborag_rapid", ("RAPID answers chat completions only: send the request to "
+                                      "/v1/chat/completions, its user message the context, a "
+                                      "blank line, then the question")
         return super().refusal()
 
     def text(self) -> str:

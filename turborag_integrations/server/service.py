@@ -17,7 +17,9 @@ that leaves is noticed as it leaves (disconnect.py) and its request aborted by i
 queued costs no prefill, one in the batch frees its place at the next round. At most
 `max_queue` requests wait (from their arrival to their first token, or to the end of an
 ingestion); the next is refused with a 429 and a Retry-After header. Ingestion encodes one
-encoder batch per call on the model's thread, and indexes it on a lookup thread.
+encoder batch per call on the model's thread, and indexes it on a lookup thread. A RAPID answer
+(rapid.py) is answered the same way from its submission on (`answer`), its generation stepped
+on the model's thread through `scheduler.call` instead of joining the batch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -44,7 +46,7 @@ from .disconnect import ClientGone, Disconnection
 from .finder import ChunkFinder
 from .keys import Principal
 from .metrics import Metrics
-from .outputs import Event, OutputLoop, RequestStream
+from .outputs import Event, Events, OutputLoop
 from .responses import APIError, EventStream, Reply, clip, event_data
 from .schemas import ChunksRequest, CompletionParams
 
@@ -58,6 +60,8 @@ NOBODY = Principal("")  # the caller on a server without keys
 # Threads that find chunks in prompts and index chunk texts: a lookup takes milliseconds under
 # the GIL, so more threads would only queue for it.
 LOOKUP_THREADS = 2
+# What starts a generation for `Service.answer`: its events, and how to abort it.
+Submit = Callable[[Disconnection], Awaitable[tuple[Events, Callable[[], None]]]]
 
 
 def request_namespace(principal: Principal, salt: str | None, public: bool = False) -> str:
@@ -158,23 +162,36 @@ class Service:
         principal = principal_of(request)
         namespace = request_namespace(principal, req.cache_salt)
         view = self.view(namespace)
+
+        async def submit(client: Disconnection) -> tuple[Events, Callable[[], None]]:
+            chunks, lookup_s = ((await client.wait(self._chunks_in(prompt, named, view)))
+                                if mode == "turbo" else ([], 0.0))
+            # the request whole, as the scheduler answers it: its tenant travels in it
+            generation = Generation(prompt, tuple(chunks), config, mode,
+                                    recovery=req.turborag_recovery, namespace=namespace,
+                                    shared=readable(namespace)[1:])
+            stream = self.outputs.add(
+                reply.id, generation,
+                on_end=lambda result: self._ended(result, reply.id, lookup_s, principal))
+            return stream, lambda: self.outputs.abort(reply.id)
+
+        return await self.answer(request, req, reply, submit)
+
+    async def answer(self, request: Request, req: CompletionParams, reply: Reply,
+                     submit: Submit) -> Response:
+        """Answer the generation `submit(client)` starts: a JSON body, or server-sent events
+        when `req.stream`. `submit` returns the generation's events (`Events`) and how to
+        abort it; it runs with a place among the waiting requests, kept until the first event,
+        and may raise ClientGone (`client.wait`) when the client leaves before it submits."""
         with Disconnection(request) as client:
             with self._queued():
                 try:
-                    chunks, lookup_s = ((await client.wait(self._chunks_in(prompt, named, view)))
-                                        if mode == "turbo" else ([], 0.0))
-                    # the request whole, as the scheduler answers it: its tenant travels in it
-                    generation = Generation(prompt, tuple(chunks), config, mode,
-                                            recovery=req.turborag_recovery, namespace=namespace,
-                                            shared=readable(namespace)[1:])
-                    stream = self.outputs.add(
-                        reply.id, generation,
-                        on_end=lambda result: self._ended(result, reply.id, lookup_s, principal))
-                except ClientGone:  # it left during the lookup: never submitted
+                    stream, abort = await submit(client)
+                except ClientGone:  # it left before its generation was submitted
                     return Response(status_code=CLIENT_GONE)
                 except Exception as exc:
                     return APIError.of(exc).response()
-                client.on_gone(lambda: self.outputs.abort(reply.id))
+                client.on_gone(abort)
                 event = await stream.next()
             if event is None:
                 return Response(status_code=CLIENT_GONE)
@@ -182,7 +199,7 @@ class Service:
                 return APIError.of(event[1]).response()
             if req.stream:  # the response watches the connection from here (disconnect.py)
                 return EventStream(self._events(event, stream, reply, req.include_usage),
-                                   on_close=lambda: self.outputs.abort(reply.id))
+                                   on_close=abort)
             while event[0] == "delta":  # the result holds the whole text
                 event = await stream.next()
                 if event is None:
@@ -191,7 +208,7 @@ class Service:
             return APIError.of(event[1]).response()
         return JSONResponse(reply.body(event[1]))
 
-    async def _events(self, event: Event, stream: RequestStream, reply: Reply,
+    async def _events(self, event: Event, stream: Events, reply: Reply,
                       include_usage: bool) -> AsyncIterator[str]:
         for chunk in reply.opening():
             yield event_data(chunk)

@@ -101,6 +101,20 @@ def test_own_retrieval_budget_and_document_order(tiny_llama, tmp_path):
     assert positions == sorted(positions)
 
 
+def test_a_call_may_set_its_own_system_turn(tiny_llama, tmp_path):
+    engine = TurboRAGEngine(tiny_llama, store=tmp_path / "kv", progress=False)
+    rapid = RapidEngine(engine, system="Answer briefly.", gamma=4, policy="always")
+    assert "Answer briefly." in rapid.render(engine, CONTEXT, QUESTION)[0]
+    assert "Answer briefly." not in rapid.render(engine, CONTEXT, QUESTION, "")[0]
+    assert "Be terse." in rapid.render(engine, CONTEXT, QUESTION, "Be terse.")[0]
+    config = GenerationConfig(max_new_tokens=12)
+    own = rapid.generate(CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config, system="")
+    plain = RapidEngine(engine, gamma=4, policy="always").generate(
+        CONTEXT, QUESTION, chunks=PARAGRAPHS[:1], config=config)
+    assert own.token_ids == plain.token_ids
+    assert own.stats.target_prompt_tokens == plain.stats.target_prompt_tokens
+
+
 # ---- the prefix cache ------------------------------------------------------------------------
 
 def test_second_question_reuses_the_target_prefix(target):

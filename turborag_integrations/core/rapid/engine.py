@@ -183,11 +183,14 @@ class RapidEngine:
         return self._embedder
 
     # ---- prompts --------------------------------------------------------------------------
-    def render(self, engine: TurboRAGEngine, context: str, question: str) -> tuple[str, str]:
-        """(prefix, suffix): the prompt split right after the context (prefix '' if none)."""
+    def render(self, engine: TurboRAGEngine, context: str, question: str,
+               system: str | None = None) -> tuple[str, str]:
+        """(prefix, suffix): the prompt split right after the context (prefix '' if none).
+        system: this prompt's system turn ("": none; None: the engine's `system`)."""
         messages = [{"role": "user", "content": self.template(context, question)}]
-        if self.system:
-            messages.insert(0, {"role": "system", "content": self.system})
+        system = self.system if system is None else system
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
         prompt = render_chat(engine.tokenizer, messages)
         if not context:
             return "", prompt
@@ -216,18 +219,19 @@ class RapidEngine:
     # ---- generation -----------------------------------------------------------------------
     def stream(self, context: str, question: str, *, chunks: Sequence[str] | None = None,
                config: GenerationConfig | None = None, gamma: int | None = None,
-               eta: float | None = None) -> GenerationStream:
+               eta: float | None = None, system: str | None = None) -> GenerationStream:
         """Answer `question` over `context`; iterate for text deltas, then read `.result`.
 
         chunks: the drafter's context given by the caller (a framework's retriever), read in
         document order (`rapid.context.document_order`); None: the engine retrieves them from
-        `context` itself. An empty list: the question alone.
+        `context` itself. An empty list: the question alone. system: both prompts' system
+        turn for this call ("": none; None: the engine's `system`).
         """
         config = config or GenerationConfig()
         asked = {k: v for k, v in (("gamma", gamma), ("eta", eta)) if v is not None}
         speculation = dataclasses.replace(self.config.speculation, **asked)  # validated there
         return GenerationStream(start=lambda: self._start(context, question, chunks, config,
-                                                          speculation))
+                                                          speculation, system))
 
     def generate(self, context: str, question: str, **kwargs) -> RapidResult:
         stream = self.stream(context, question, **kwargs)
@@ -289,7 +293,7 @@ class RapidEngine:
             engine.library.keep(blob, kind="prefix")  # bounded apart from the chunk blobs
 
     def drafter_prefill(self, context: str, question: str, chunks, stats: RapidStats,
-                        reserve: int) -> Prefill:
+                        reserve: int, system: str | None = None) -> Prefill:
         """The drafter's prompt over its chunks (None: its own retrieval; see `stream`),
         stitched from their blobs (encoded on first use); fills the drafter's fields of
         `stats`. The caller releases the cache to `self.drafter.cache_pool`."""
@@ -299,7 +303,7 @@ class RapidEngine:
             stats.retrieval_s = dctx.retrieval_s if dctx else 0.0
         else:
             chosen = document_order(context, list(chunks))
-        prefix, suffix = self.render(self.drafter, "\n\n".join(chosen), question)
+        prefix, suffix = self.render(self.drafter, "\n\n".join(chosen), question, system)
         t0 = now()
         segments, _, _ = self.drafter.assembly.segments(prefix + suffix, chosen,
                                                         encode_missing=True)
@@ -312,12 +316,12 @@ class RapidEngine:
         return pre
 
     def _start(self, context: str, question: str, chunks, config: GenerationConfig,
-               speculation: SpeculationConfig) -> Run:
+               speculation: SpeculationConfig, system: str | None) -> Run:
         stats = RapidStats(gamma=speculation.gamma, eta=speculation.eta)
         if not question or not question.strip():
             raise ValueError("give a question")
         # Target prompt first: a context too long for the target fails before any compute.
-        t_prefix, t_suffix = self.render(self.target, context, question)
+        t_prefix, t_suffix = self.render(self.target, context, question, system)
         prefix_ids, limit = self.check_target_window(t_prefix, t_suffix, config.max_new_tokens)
         # a round writes up to γ drafts past the accepted tokens, after the pending ones (the
         # drafter may hold two)
@@ -328,7 +332,7 @@ class RapidEngine:
         stats.target_reused_tokens = pre_t.plan.reused_tokens
         stats.target_prefix_hit = hit
         try:
-            pre_d = self.drafter_prefill(context, question, chunks, stats, reserve)
+            pre_d = self.drafter_prefill(context, question, chunks, stats, reserve, system)
         except BaseException:
             self.target.cache_pool.release(pre_t.cache)
             raise
