@@ -163,3 +163,33 @@ def test_ingestion_progress_counts_the_lead_blobs(tiny_llama, tmp_path):
         engine.encode_chunks(CHUNKS + ["Carol paints lighthouses."],
                              progress=lambda done, total: seen.append((done, total)))
         assert seen[0] == (2, 6) and seen[-1] == (6, 6)
+
+
+def test_lead_blobs_are_encoded_in_token_bounded_batches_each_stored_as_made(tiny_llama, tmp_path,
+                                                                           monkeypatch):
+    """Memory follows a batch, not a document: each encoder call for lead blobs reads at most
+    BATCH_TOKENS tokens (a longer chunk alone), and a batch's blobs are stored before the next
+    batch is encoded."""
+    from turborag_integrations.core.prefill import chunk_encoder
+
+    monkeypatch.setattr(chunk_encoder, "BATCH_TOKENS", 48)
+    texts = [f"Record {i}: the ferry of district {i} logged {17 * i} visitors on day {i}."
+             for i in range(12)]
+    with TurboRAGEngine(tiny_llama, store=tmp_path / "kv", prompt_heads=[HEAD],
+                        recovery="none") as engine:
+        head = len(engine.library.prompt_heads[0])
+        calls, real = [], chunk_encoder.ChunkEncoder.encode_ids
+
+        def spy(encoder, ids_list, *args, **kwargs):
+            if len(encoder.anchor_ids) == head:  # the lead blobs' encoder
+                stored = sum(1 for _ in engine.store.disk.keys())
+                calls.append(([head + len(i) for i in ids_list], stored))
+            return real(encoder, ids_list, *args, **kwargs)
+
+        monkeypatch.setattr(chunk_encoder.ChunkEncoder, "encode_ids", spy)
+        engine.encode_chunks(texts)
+    assert len(calls) > 1
+    assert all(sum(sizes) <= 48 or len(sizes) == 1 for sizes, _ in calls), calls
+    assert sum(len(sizes) for sizes, _ in calls) == len(texts)
+    stored = [n for _, n in calls]
+    assert stored == sorted(stored) and stored[-1] > stored[0]  # earlier batches already stored

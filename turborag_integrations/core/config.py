@@ -56,7 +56,7 @@ class EncodingConfig:
     prompt_heads: template heads each chunk is also encoded after (a lead blob per head), so that
     the first chunk of a prompt with that head is stitched as a full prefill computes it.
 
-    batch_size: chunks per encoding forward at ingestion (and at most `BATCH_TOKENS`, 4,096, tokens
+    batch_size: chunks per encoding forward at ingestion (and at most `BATCH_TOKENS`, 2,048, tokens
     of chunk and context: core/prefill/chunk_encoder.py)."""
 
     anchor: str = DEFAULT_ANCHOR  # None is taken as "none"

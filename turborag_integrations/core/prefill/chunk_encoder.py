@@ -159,18 +159,20 @@ class ChunkEncoder:
                     with self.learned.active(self.model):
                         out = self.model(inputs_embeds=embeds, attention_mask=mask,
                                          use_cache=True, logits_to_keep=1)
-            cache = output_cache(out)
-            keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [B, L, H, T, D]
-            values = torch.stack([layer.values for layer in cache.layers], dim=1)
+            layers = output_cache(out).layers
+            del out  # the batch's cache, contexts and pads included, goes once its rows are cut
             for row, i in enumerate(batch):
                 n, a = lengths[row], heads[i]
+                # each chunk's own rows only ([L, H, T, D]): stacking the whole batch's cache
+                # first would copy the contexts' rows too, twice the cache at the peak
                 blobs[i] = KVBlob(
                     token_ids=torch.as_tensor(ids_list[i], dtype=torch.long),
-                    keys=keys[row, :, :, a:n].contiguous().cpu(),
-                    values=values[row, :, :, a:n].contiguous().cpu(),
+                    keys=torch.stack([layer.keys[row, :, a:n] for layer in layers]).cpu(),
+                    values=torch.stack([layer.values[row, :, a:n] for layer in layers]).cpu(),
                     fingerprint=self.fingerprint,
                     base_position=a,
                 )
+            del layers
             done += len(batch)
             if progress:
                 progress(done, len(ids_list))
@@ -187,9 +189,11 @@ class ChunkEncoder:
 
 
 # Tokens (chunk and context) one encoding forward reads at most, beside `batch_size` chunks:
-# memory follows the tokens, not the chunks. Eight 256-token chunks after 1,024 context tokens
-# each peaked at 2.75 GB with SmolLM2 in fp32 (the model alone: 1.0 GB), two at 1.55 GB.
-BATCH_TOKENS = 4096
+# memory follows the tokens, not the chunks. On a 2-core CPU (SmolLM2 fp32, 12 chunks of 400
+# tokens after 1,024 context tokens each) a 4,096-token bound peaked 0.8 GB above the loaded
+# engine and took 33 s, 2,048 tokens 0.25 GB and 27 s: the CPU's matrix products are as fast
+# on one long sequence, and padding to the batch's longest wastes the difference.
+BATCH_TOKENS = 2048
 
 
 def token_batches(items: Sequence[int], lengths: Sequence[int], most: int) -> list[list[int]]:
