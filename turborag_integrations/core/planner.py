@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .engine import TurboRAGEngine
-from .prefill.chunk_encoder import ChunkEncoder
+from .prefill.chunk_encoder import ChunkEncoder, token_batches
 from .store import KVStore, StoreConfig, default_store_path
 from .store.budget import format_size, requested, resolve
 from .store.codec import STORAGE_DTYPES
@@ -124,11 +124,16 @@ def calibrate(engine: TurboRAGEngine, shape: CorpusShape, *, storage_dtype: str 
                          f"context tokens exceed what the model's window leaves ({room}); "
                          "plan shorter chunks or less context")
     generator = torch.Generator().manual_seed(seed)
-    batch = encoder.batch_size
-    chunks = [_random_ids(engine.tokenizer, shape.chunk_tokens, generator) for _ in range(batch)]
+    # the batch ingestion forms for chunks of this shape: `batch_size` chunks at most, and at
+    # most BATCH_TOKENS tokens of chunk and context (library.encode_chunks)
+    length = encoder.base_position + shape.context_tokens + shape.chunk_tokens
+    batch = len(token_batches(range(encoder.batch_size), [length] * encoder.batch_size,
+                              encoder.batch_size)[0])
+    chunks = [_random_ids(engine.tokenizer, shape.chunk_tokens, generator)
+              for _ in range(encoder.batch_size)]
     contexts = [_random_ids(engine.tokenizer, shape.context_tokens, generator)
                 for _ in range(batch)]
-    chunk_s = _timed_batch(encoder, chunks, contexts)
+    chunk_s = _timed_batch(encoder, chunks[:batch], contexts)
     [blob] = encoder.encode_ids(chunks[:1])
     blob_bytes = _blob_bytes(blob, storage_dtype)
     lead_s = 0.0
@@ -136,7 +141,10 @@ def calibrate(engine: TurboRAGEngine, shape: CorpusShape, *, storage_dtype: str 
         lead = ChunkEncoder(encoder.model, encoder.tokenizer, encoder.fingerprint,
                             batch_size=encoder.batch_size,
                             anchor_ids=_random_ids(engine.tokenizer, HEAD_TOKENS, generator))
-        lead_s = _timed_batch(lead, chunks, [[] for _ in chunks])
+        heads = len(token_batches(range(encoder.batch_size),
+                                  [HEAD_TOKENS + shape.chunk_tokens] * encoder.batch_size,
+                                  encoder.batch_size)[0])
+        lead_s = _timed_batch(lead, chunks[:heads], [[] for _ in chunks[:heads]])
     return Calibration(engine.loaded.name, storage_dtype, shape.chunk_tokens, blob_bytes,
                        chunk_s, lead_s, batch)
 
